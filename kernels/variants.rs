@@ -1,0 +1,162 @@
+// The variant table: the single list of compiled kernels. build.rs `include!`s this file to generate
+// the instantiation translation unit of each family and to compile it; src/cuda/variants.rs
+// `include!`s it to pick a kernel at run time; the GPU tests sweep it. Plain Rust, no dependencies.
+
+/// Element type of q/k/v/o.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KDType {
+    Bf16,
+    F16,
+}
+
+impl KDType {
+    pub const fn name(self) -> &'static str {
+        match self {
+            KDType::Bf16 => "bf16",
+            KDType::F16 => "f16",
+        }
+    }
+    /// The CUDA C++ type spelled in the instantiation unit.
+    pub const fn cuda_type(self) -> &'static str {
+        match self {
+            KDType::Bf16 => "__nv_bfloat16",
+            KDType::F16 => "__half",
+        }
+    }
+}
+
+/// Mask family compiled into a kernel. `Local` covers sliding windows (runtime left/right bounds);
+/// `Causal` is the (unbounded, 0) window with the cheaper tile bounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KMask {
+    None,
+    Causal,
+    Local,
+}
+
+impl KMask {
+    pub const fn name(self) -> &'static str {
+        match self {
+            KMask::None => "nomask",
+            KMask::Causal => "causal",
+            KMask::Local => "local",
+        }
+    }
+    pub const fn id(self) -> u32 {
+        match self {
+            KMask::None => 0,
+            KMask::Causal => 1,
+            KMask::Local => 2,
+        }
+    }
+}
+
+/// What a kernel computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KKind {
+    /// Prefill / general forward: grid (ceil(sq / block_m), hq, b).
+    Fwd,
+    /// Split-KV decode: small sq, key range split across CTAs, then `Combine`.
+    Decode,
+}
+
+impl KKind {
+    pub const fn name(self) -> &'static str {
+        match self {
+            KKind::Fwd => "fwd",
+            KKind::Decode => "decode",
+        }
+    }
+}
+
+/// One compiled kernel: its tile shape is part of the table so the host launch and the device code
+/// agree by construction.
+#[derive(Clone, Copy, Debug)]
+pub struct Variant {
+    pub family: &'static str,
+    pub kind: KKind,
+    pub dtype: KDType,
+    pub head_dim: u32,
+    pub mask: KMask,
+    pub block_m: u32,
+    pub block_n: u32,
+    pub warps: u32,
+    pub stages: u32,
+}
+
+impl Variant {
+    /// Entry-point name: `fc_<family>_<kind>_<dtype>_d<head_dim>_<mask>`.
+    pub fn symbol(&self) -> String {
+        format!(
+            "fc_{}_{}_{}_d{}_{}",
+            self.family,
+            self.kind.name(),
+            self.dtype.name(),
+            self.head_dim,
+            self.mask.name()
+        )
+    }
+    pub const fn threads(&self) -> u32 {
+        self.warps * 32
+    }
+    /// Dynamic shared memory the kernel is launched with, in bytes (16-bit elements):
+    /// Q tile plus `stages` K and V tiles.
+    pub const fn smem_bytes(&self) -> u32 {
+        match self.kind {
+            KKind::Fwd | KKind::Decode => {
+                (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+            }
+        }
+    }
+}
+
+/// A kernel family: one translation unit, one fatbin, one set of targets.
+#[derive(Clone, Copy, Debug)]
+pub struct Family {
+    pub name: &'static str,
+    /// Headers (under kernels/) included by the generated unit; they provide the
+    /// `FC_<FAMILY>_<KIND>(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES)` macros.
+    pub headers: &'static [&'static str],
+    /// nvcc -gencode arguments.
+    pub gencode: &'static [&'static str],
+}
+
+pub const FAMILIES: &[Family] = &[
+    Family {
+        name: "sm80",
+        headers: &["common/util.cuh", "sm80/fwd.cuh", "sm80/decode.cuh"],
+        gencode: &[
+            "arch=compute_80,code=sm_80",
+            "arch=compute_86,code=sm_86",
+            "arch=compute_89,code=sm_89",
+            // Native code for Hopper too: the sm80 path is Hopper's fallback and decode path.
+            "arch=compute_90,code=sm_90",
+            "arch=compute_80,code=compute_80",
+        ],
+    },
+];
+
+const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
+    // Tile shapes (block_m x block_n, warps, K/V stages) per head dim; see docs/perf.md.
+    let (block_m, block_n, warps, stages) = match head_dim {
+        64 => (128, 64, 4, 2),
+        128 => (128, 64, 4, 2),
+        _ => (64, 64, 4, 2),
+    };
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages }
+}
+
+pub const VARIANTS: &[Variant] = &[
+    sm80(KDType::Bf16, 64, KMask::None),
+    sm80(KDType::Bf16, 64, KMask::Causal),
+    sm80(KDType::Bf16, 128, KMask::None),
+    sm80(KDType::Bf16, 128, KMask::Causal),
+    sm80(KDType::Bf16, 256, KMask::None),
+    sm80(KDType::Bf16, 256, KMask::Causal),
+    sm80(KDType::F16, 64, KMask::None),
+    sm80(KDType::F16, 64, KMask::Causal),
+    sm80(KDType::F16, 128, KMask::None),
+    sm80(KDType::F16, 128, KMask::Causal),
+    sm80(KDType::F16, 256, KMask::None),
+    sm80(KDType::F16, 256, KMask::Causal),
+];
