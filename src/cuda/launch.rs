@@ -1,0 +1,127 @@
+//! Loading the kernel fatbins through cudarc and launching on candle's stream. Every driver call
+//! is checked; a failure becomes a `candle_core::Error` naming the kernel and the problem shape.
+
+use super::params::FcParams;
+use super::variants;
+use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+type Key = (usize, String);
+
+fn modules() -> &'static Mutex<HashMap<Key, Arc<CudaModule>>> {
+    static M: OnceLock<Mutex<HashMap<Key, Arc<CudaModule>>>> = OnceLock::new();
+    M.get_or_init(Default::default)
+}
+
+fn functions() -> &'static Mutex<HashMap<Key, (CudaFunction, u32)>> {
+    static F: OnceLock<Mutex<HashMap<Key, (CudaFunction, u32)>>> = OnceLock::new();
+    F.get_or_init(Default::default)
+}
+
+pub(crate) fn err(kernel: &str, shape: &str, what: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("flashcore: CUDA kernel {kernel} [{shape}]: {what}"))
+}
+
+/// The function `symbol` of `family`'s fatbin, loaded once per device, with its dynamic shared
+/// memory limit raised to at least `smem` bytes.
+pub(crate) fn function(
+    stream: &Arc<CudaStream>,
+    family: &str,
+    symbol: &str,
+    smem: u32,
+    shape: &str,
+) -> candle_core::Result<CudaFunction> {
+    let ctx = stream.context();
+    let ordinal = ctx.ordinal();
+    let fkey = (ordinal, symbol.to_string());
+    let mut fns = functions().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((f, limit)) = fns.get_mut(&fkey) {
+        if *limit < smem {
+            f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .map_err(|e| err(symbol, shape, format!("setting {smem} B of dynamic shared memory: {e}")))?;
+            *limit = smem;
+        }
+        return Ok(f.clone());
+    }
+    let module = {
+        let mkey = (ordinal, family.to_string());
+        let mut mods = modules().lock().unwrap_or_else(|e| e.into_inner());
+        match mods.get(&mkey) {
+            Some(m) => m.clone(),
+            None => {
+                let image = variants::fatbin(family)
+                    .ok_or_else(|| err(symbol, shape, format!("no fatbin for kernel family {family}")))?;
+                let m = ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))
+                    .map_err(|e| err(symbol, shape, format!("loading the {family} fatbin: {e}")))?;
+                mods.insert(mkey, m.clone());
+                m
+            }
+        }
+    };
+    let f = module
+        .load_function(symbol)
+        .map_err(|e| err(symbol, shape, format!("function not found in the {family} fatbin: {e}")))?;
+    if smem > 48 * 1024 {
+        f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .map_err(|e| err(symbol, shape, format!("setting {smem} B of dynamic shared memory: {e}")))?;
+    }
+    fns.insert(fkey, (f.clone(), smem.max(48 * 1024)));
+    Ok(f)
+}
+
+/// Launches `f(params)` and checks the launch. With `FLASHCORE_SYNC=1` it also synchronises
+/// and reports asynchronous faults against this kernel (debugging aid).
+pub(crate) fn launch_params(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    params: &FcParams,
+    kernel: &str,
+    shape: &str,
+) -> candle_core::Result<()> {
+    let mut b = stream.launch_builder(f);
+    b.arg(params);
+    // SAFETY: the kernel's signature is `(const FcParams)`; every pointer in `params` refers to a
+    // live allocation of the sizes the kernel reads or writes (checked by the caller).
+    unsafe { b.launch(cfg) }.map_err(|e| {
+        err(kernel, shape, format!("launch failed (grid {:?}, block {:?}, smem {} B): {e}", cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes))
+    })?;
+    check_sync(stream, kernel, shape)
+}
+
+pub(crate) fn check_sync(stream: &Arc<CudaStream>, kernel: &str, shape: &str) -> candle_core::Result<()> {
+    if std::env::var_os("FLASHCORE_SYNC").is_some_and(|v| v != "0") {
+        stream.synchronize().map_err(|e| err(kernel, shape, format!("failed while running: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Fills `n` 16- or 32-bit words at `ptr` with `value` (the poisoning kernels of
+/// kernels/common/util.cuh).
+pub(crate) fn fill(
+    stream: &Arc<CudaStream>,
+    ptr: u64,
+    n: usize,
+    word_bytes: usize,
+    value: u32,
+) -> candle_core::Result<()> {
+    let (sym, shape) = if word_bytes == 2 { ("fc_fill_u16", format!("n={n} u16")) } else { ("fc_fill_u32", format!("n={n} u32")) };
+    let f = function(stream, "sm80", sym, 0, &shape)?;
+    let blocks = n.div_ceil(256).clamp(1, 4096) as u32;
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let n64 = n as u64;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&ptr).arg(&n64);
+    let v16 = value as u16;
+    if word_bytes == 2 {
+        b.arg(&v16);
+    } else {
+        b.arg(&value);
+    }
+    // SAFETY: `ptr` points at `n` words of `word_bytes` owned by the caller.
+    unsafe { b.launch(cfg) }.map_err(|e| err(sym, &shape, format!("launch failed: {e}")))?;
+    check_sync(stream, sym, &shape)
+}

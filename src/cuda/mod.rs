@@ -1,0 +1,280 @@
+//! The CUDA path: picks a kernel family by compute capability ([`arch`]), a kernel from the
+//! variant table ([`variants`]), and launches it on candle's stream ([`launch`]).
+
+pub mod arch;
+mod launch;
+pub mod params;
+pub mod variants;
+
+pub use arch::{set_arch_override, Arch};
+
+use crate::params::{Mask, Problem};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use candle_core::{DType, Layout, Result, Tensor};
+use half::{bf16, f16};
+use params::FcParams;
+use std::sync::atomic::{AtomicBool, Ordering};
+use variants::{KDType, KKind, KMask, Variant};
+
+static POISON: AtomicBool = AtomicBool::new(false);
+
+/// When on, every output buffer is filled with NaN before the kernel runs, so that elements a
+/// kernel fails to write show up in tests. Costs one extra fill per output; off by default.
+pub fn set_poison_outputs(on: bool) {
+    POISON.store(on, Ordering::Relaxed);
+}
+
+fn poison_on() -> bool {
+    POISON.load(Ordering::Relaxed) || std::env::var_os("FLASHCORE_POISON").is_some_and(|v| v != "0")
+}
+
+/// Fills a CUDA tensor's storage with NaN (the pipeline check of the crate's tiny kernels).
+/// f16/bf16/f32 only.
+pub fn poison(t: &Tensor) -> Result<()> {
+    let (s, l) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(s) = &*s else {
+        candle_core::bail!("flashcore: poison: tensor must be on a CUDA device, got {:?}", t.device().location())
+    };
+    let stream = s.device.cuda_stream();
+    let n = l.shape().elem_count();
+    let off = l.start_offset();
+    if !l.is_contiguous() {
+        candle_core::bail!("flashcore: poison: tensor must be contiguous, got strides {:?}", l.stride());
+    }
+    match t.dtype() {
+        DType::BF16 => {
+            let (p, _g) = s.as_cuda_slice::<bf16>()?.device_ptr(&stream);
+            launch::fill(&stream, p + 2 * off as u64, n, 2, 0x7FFF)
+        }
+        DType::F16 => {
+            let (p, _g) = s.as_cuda_slice::<f16>()?.device_ptr(&stream);
+            launch::fill(&stream, p + 2 * off as u64, n, 2, 0x7FFF)
+        }
+        DType::F32 => {
+            let (p, _g) = s.as_cuda_slice::<f32>()?.device_ptr(&stream);
+            launch::fill(&stream, p + 4 * off as u64, n, 4, 0x7FC0_0000)
+        }
+        dt => candle_core::bail!("flashcore: poison: dtype must be f16, bf16 or f32, got {dt:?}"),
+    }
+}
+
+/// The compute capability of `dev`.
+pub fn compute_capability(dev: &CudaDevice) -> Result<(i32, i32)> {
+    dev.cuda_stream()
+        .context()
+        .compute_capability()
+        .map_err(|e| candle_core::Error::Msg(format!("flashcore: reading the compute capability: {e}")))
+}
+
+/// Which kernel family and variant a problem runs on `dev`: the dispatcher's decision, exposed for
+/// the benchmark and tests.
+pub fn describe(dev: &CudaDevice, p: &crate::AttnParams, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<String> {
+    let prob = crate::params::validate(q, k, v, p)?;
+    let (major, minor) = compute_capability(dev)?;
+    let v = choose(&prob, arch::select(major, minor)?)?;
+    Ok(v.symbol())
+}
+
+fn shape_str(p: &Problem) -> String {
+    format!(
+        "b={} sq={} sk={} hq={} hkv={} d={} {:?} mask={:?}",
+        p.b, p.sq, p.sk, p.hq, p.hkv, p.d, p.dtype, p.mask
+    )
+}
+
+fn kmask(m: Mask) -> KMask {
+    match m {
+        Mask::None => KMask::None,
+        Mask::Causal => KMask::Causal,
+        Mask::Window { .. } => KMask::Local,
+    }
+}
+
+/// The variant that runs `p` on a GPU of family `arch`, or an error saying which option has no
+/// GPU kernel yet.
+fn choose(p: &Problem, arch: Arch) -> Result<&'static Variant> {
+    let shape = shape_str(p);
+    let unsupported = |what: String| {
+        candle_core::Error::Msg(format!(
+            "flashcore: no CUDA kernel for {what} yet [{shape}]; use the CPU path (tensors on Device::Cpu) or drop the option"
+        ))
+    };
+    let dtype = match p.dtype {
+        DType::BF16 => KDType::Bf16,
+        DType::F16 => KDType::F16,
+        dt => return Err(unsupported(format!("dtype {dt:?} (the GPU kernels take f16 and bf16)"))),
+    };
+    if p.softcap.is_some() {
+        return Err(unsupported("softcap".into()));
+    }
+    let mask = kmask(p.mask);
+    let d = p.d as u32;
+    let mut candidates: Vec<(&str, KKind)> = Vec::new();
+    if arch == Arch::Sm90 {
+        candidates.push(("sm90", KKind::Fwd));
+    }
+    candidates.push(("sm80", KKind::Fwd));
+    let mut missing = Vec::new();
+    for (family, kind) in candidates {
+        match variants::find(family, kind, dtype, d, mask) {
+            Some(v) if variants::is_compiled(v) => return Ok(v),
+            Some(v) => missing.push(format!("{} (not compiled in this build: FLASHCORE_VARIANTS)", v.symbol())),
+            None => {}
+        }
+    }
+    if !missing.is_empty() {
+        return Err(unsupported(missing.join(", ")));
+    }
+    Err(unsupported(format!("{dtype:?} head_dim {d} with mask {:?}", p.mask)))
+}
+
+fn ptr<T: candle_core::cuda_backend::CudaDType>(
+    s: &CudaStorage,
+    l: &Layout,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+) -> Result<(u64, usize)> {
+    let slice: &CudaSlice<T> = s.as_cuda_slice::<T>()?;
+    let (p, _guard) = slice.device_ptr(stream);
+    Ok((p + (l.start_offset() * std::mem::size_of::<T>()) as u64, slice.len() - l.start_offset()))
+}
+
+fn alloc_out<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    n: usize,
+    shape: &str,
+) -> Result<CudaSlice<T>> {
+    // SAFETY: every element is written by the kernel (tests check it with poisoned buffers).
+    unsafe { dev.cuda_stream().alloc::<T>(n) }
+        .map_err(|e| launch::err("alloc", shape, format!("allocating {n} output elements: {e}")))
+}
+
+/// Runs the forward on CUDA storages; returns (O, LSE).
+pub(crate) fn forward(
+    p: &Problem,
+    slopes: Option<&Tensor>,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, CudaStorage)> {
+    let dev = q.0.device.clone();
+    let (major, minor) = compute_capability(&dev)?;
+    let variant = choose(p, arch::select(major, minor)?)?;
+    match p.dtype {
+        DType::BF16 => run_typed::<bf16>(&dev, p, variant, slopes, q, k, v),
+        DType::F16 => run_typed::<f16>(&dev, p, variant, slopes, q, k, v),
+        _ => unreachable!("choose() admits only f16 and bf16"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    p: &Problem,
+    variant: &Variant,
+    slopes: Option<&Tensor>,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, CudaStorage)> {
+    let shape = shape_str(p);
+    let symbol = variant.symbol();
+    let stream = dev.cuda_stream();
+    for (name, l) in [("q", q.1), ("k", k.1), ("v", v.1)] {
+        // The kernels load 16-byte vectors: op::run makes misaligned views contiguous first.
+        if l.start_offset() % 8 != 0 || l.stride()[..3].iter().any(|s| s % 8 != 0) {
+            return Err(launch::err(
+                &symbol,
+                &shape,
+                format!("{name}: offset and strides must be multiples of 8 elements, got offset {} strides {:?}", l.start_offset(), l.stride()),
+            ));
+        }
+    }
+    let (qp, _) = ptr::<T>(q.0, q.1, &stream)?;
+    let (kp, _) = ptr::<T>(k.0, k.1, &stream)?;
+    let (vp, _) = ptr::<T>(v.0, v.1, &stream)?;
+    let n_out = p.b * p.sq * p.hq * p.d;
+    let n_lse = p.b * p.hq * p.sq;
+    let o: CudaSlice<T> = alloc_out(dev, n_out, &shape)?;
+    let lse: CudaSlice<f32> = alloc_out(dev, n_lse, &shape)?;
+    let (op, _og) = o.device_ptr(&stream);
+    let (lp, _lg) = lse.device_ptr(&stream);
+    if poison_on() {
+        launch::fill(&stream, op, n_out, 2, 0x7FFF)?;
+        launch::fill(&stream, lp, n_lse, 4, 0x7FC0_0000)?;
+    }
+    let slopes_ptr = match slopes {
+        None => 0,
+        Some(t) => {
+            let (s, l) = t.storage_and_layout();
+            let candle_core::Storage::Cuda(s) = &*s else {
+                candle_core::bail!("flashcore: alibi_slopes: must be on the CUDA device of q")
+            };
+            if !l.is_contiguous() {
+                candle_core::bail!("flashcore: alibi_slopes: must be contiguous, got strides {:?}", l.stride())
+            }
+            ptr::<f32>(s, l, &stream)?.0
+        }
+    };
+    let (wl, wr) = p.window();
+    let st = |l: &Layout| {
+        let s = l.stride();
+        (s[0] as i64, s[1] as i64, s[2] as i64)
+    };
+    let (qb, qr, qh) = st(q.1);
+    let (kb, kr, kh) = st(k.1);
+    let (vb, vr, vh) = st(v.1);
+    let prm = FcParams {
+        q: qp,
+        k: kp,
+        v: vp,
+        o: op,
+        lse: lp,
+        alibi_slopes: slopes_ptr,
+        o_partial: 0,
+        lse_partial: 0,
+        q_batch_stride: qb,
+        q_row_stride: qr,
+        q_head_stride: qh,
+        k_batch_stride: kb,
+        k_row_stride: kr,
+        k_head_stride: kh,
+        v_batch_stride: vb,
+        v_row_stride: vr,
+        v_head_stride: vh,
+        o_batch_stride: (p.sq * p.hq * p.d) as i64,
+        o_row_stride: (p.hq * p.d) as i64,
+        o_head_stride: p.d as i64,
+        b: p.b as i32,
+        hq: p.hq as i32,
+        hkv: p.hkv as i32,
+        sq: p.sq as i32,
+        sk: p.sk as i32,
+        d: p.d as i32,
+        h_ratio: p.h_ratio() as i32,
+        scale: p.scale,
+        scale_log2: p.scale * std::f32::consts::LOG2_E,
+        softcap: p.softcap.unwrap_or(0.0),
+        window_left: wl.map_or(-1, |x| x.min(i32::MAX as usize) as i32),
+        window_right: wr.map_or(-1, |x| x.min(i32::MAX as usize) as i32),
+        num_splits: 1,
+        _pad: 0,
+    };
+    let smem = variant.smem_bytes();
+    let f = launch::function(&stream, variant.family, &symbol, smem, &shape)?;
+    let m_blocks = p.sq.div_ceil(variant.block_m as usize);
+    if p.hq > 65535 || p.b > 65535 {
+        return Err(launch::err(&symbol, &shape, "heads_q and batch must each be <= 65535"));
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (m_blocks as u32, p.hq as u32, p.b as u32),
+        block_dim: (variant.threads(), 1, 1),
+        shared_mem_bytes: smem,
+    };
+    launch::launch_params(&stream, &f, cfg, &prm, &symbol, &shape)?;
+    drop((_og, _lg));
+    Ok((
+        CudaStorage::wrap_cuda_slice(o, dev.clone()),
+        CudaStorage::wrap_cuda_slice(lse, dev.clone()),
+    ))
+}

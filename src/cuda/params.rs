@@ -1,0 +1,46 @@
+//! `FcParams`: the kernel parameter block, field for field the struct of kernels/common/params.h.
+
+/// Passed by value to every forward kernel (`const __grid_constant__ FcParams p`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FcParams {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub alibi_slopes: u64,
+    pub o_partial: u64,
+    pub lse_partial: u64,
+    pub q_batch_stride: i64,
+    pub q_row_stride: i64,
+    pub q_head_stride: i64,
+    pub k_batch_stride: i64,
+    pub k_row_stride: i64,
+    pub k_head_stride: i64,
+    pub v_batch_stride: i64,
+    pub v_row_stride: i64,
+    pub v_head_stride: i64,
+    pub o_batch_stride: i64,
+    pub o_row_stride: i64,
+    pub o_head_stride: i64,
+    pub b: i32,
+    pub hq: i32,
+    pub hkv: i32,
+    pub sq: i32,
+    pub sk: i32,
+    pub d: i32,
+    pub h_ratio: i32,
+    pub scale: f32,
+    pub scale_log2: f32,
+    pub softcap: f32,
+    pub window_left: i32,
+    pub window_right: i32,
+    pub num_splits: i32,
+    pub _pad: i32,
+}
+
+// SAFETY: plain-old-data with the C layout the kernels declare.
+unsafe impl cudarc::driver::DeviceRepr for FcParams {}
+
+const _: () = assert!(std::mem::size_of::<FcParams>() == 8 * 8 + 12 * 8 + 14 * 4);

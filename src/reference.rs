@@ -1,0 +1,230 @@
+//! The CPU path: a fused reference computing the exact function of the crate docs (f32
+//! accumulation for 16/32-bit inputs, f64 for f64), and the eager composition of candle ops.
+
+use crate::params::{AttnParams, Mask, Problem};
+use candle_core::{DType, Device, Result, Tensor, WithDType, D};
+
+/// Accumulation type of the CPU path.
+pub(crate) trait Acc:
+    Copy
+    + Send
+    + Sync
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::AddAssign
+{
+    const ZERO: Self;
+    const NEG_INF: Self;
+    fn of(x: f64) -> Self;
+    fn f64(self) -> f64;
+    fn exp(self) -> Self;
+    fn tanh(self) -> Self;
+}
+
+macro_rules! acc {
+    ($t:ty) => {
+        impl Acc for $t {
+            const ZERO: Self = 0.0;
+            const NEG_INF: Self = <$t>::NEG_INFINITY;
+            fn of(x: f64) -> Self {
+                x as $t
+            }
+            fn f64(self) -> f64 {
+                self as f64
+            }
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+        }
+    };
+}
+acc!(f32);
+acc!(f64);
+
+/// Keys visible to query row `i`: the half-open range `lo..hi` (empty when `lo >= hi`).
+pub(crate) fn visible_keys(i: usize, sq: usize, sk: usize, mask: Mask) -> (usize, usize) {
+    let diag = i as i64 + sk as i64 - sq as i64;
+    let (left, right) = mask.bounds();
+    let lo = left.map_or(0, |l| (diag - l as i64).max(0));
+    let hi = right.map_or(sk as i64, |r| (diag + r as i64 + 1).clamp(0, sk as i64));
+    (lo.min(sk as i64) as usize, hi as usize)
+}
+
+/// Fused CPU attention over strided storage. `q`, `k`, `v` are the storages' full slices with
+/// the layouts' start offsets already applied. Returns O `(b, sq, hq, d)` contiguous in `T` and
+/// LSE `(b, hq, sq)` f32.
+pub(crate) fn fused<T: WithDType, A: Acc>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    p: &Problem,
+    slopes: Option<&[f32]>,
+) -> (Vec<T>, Vec<f32>) {
+    let (b, sq, sk, hq, hkv, d) = (p.b, p.sq, p.sk, p.hq, p.hkv, p.d);
+    let ratio = hq / hkv;
+    let mut out = vec![T::zero(); b * sq * hq * d];
+    let mut lse = vec![f32::NEG_INFINITY; b * hq * sq];
+    let scale = A::of(p.scale as f64);
+    let softcap = p.softcap.map(|c| A::of(c as f64));
+    // One unit of work: a (batch, kv head) pair; it owns the output of its `ratio` query heads.
+    // Collect disjoint output slices per unit so threads can write without locks.
+    let units: Vec<(usize, usize)> = (0..b).flat_map(|bi| (0..hkv).map(move |g| (bi, g))).collect();
+    let nthreads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(units.len()).max(1);
+    let results: Vec<Vec<(usize, usize, Vec<A>, Vec<f32>)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..nthreads)
+            .map(|t| {
+                let units = &units;
+                s.spawn(move || {
+                    let mut res = Vec::new();
+                    let mut kbuf = vec![A::ZERO; sk * d];
+                    let mut vbuf = vec![A::ZERO; sk * d];
+                    let mut scores = vec![A::ZERO; sk];
+                    for &(bi, g) in units.iter().skip(t).step_by(nthreads) {
+                        for j in 0..sk {
+                            let ko = bi * p.k_strides[0] + j * p.k_strides[1] + g * p.k_strides[2];
+                            let vo = bi * p.v_strides[0] + j * p.v_strides[1] + g * p.v_strides[2];
+                            for x in 0..d {
+                                kbuf[j * d + x] = A::of(k[ko + x].to_f64());
+                                vbuf[j * d + x] = A::of(v[vo + x].to_f64());
+                            }
+                        }
+                        for h in g * ratio..(g + 1) * ratio {
+                            let slope = slopes.map(|s| A::of(s[h] as f64));
+                            let mut o_head = vec![A::ZERO; sq * d];
+                            let mut l_head = vec![f32::NEG_INFINITY; sq];
+                            let mut qrow = vec![A::ZERO; d];
+                            for i in 0..sq {
+                                let (lo, hi) = visible_keys(i, sq, sk, p.mask);
+                                if lo >= hi {
+                                    continue;
+                                }
+                                let qo = bi * p.q_strides[0] + i * p.q_strides[1] + h * p.q_strides[2];
+                                for x in 0..d {
+                                    qrow[x] = A::of(q[qo + x].to_f64());
+                                }
+                                let diag = i as f64 + sk as f64 - sq as f64;
+                                let mut m = A::NEG_INF;
+                                for j in lo..hi {
+                                    let kr = &kbuf[j * d..(j + 1) * d];
+                                    let mut acc = A::ZERO;
+                                    for x in 0..d {
+                                        acc += qrow[x] * kr[x];
+                                    }
+                                    let mut s = acc * scale;
+                                    if let Some(c) = softcap {
+                                        s = c * (s / c).tanh();
+                                    }
+                                    if let Some(sl) = slope {
+                                        s = s - sl * A::of((j as f64 - diag).abs());
+                                    }
+                                    scores[j] = s;
+                                    if s > m {
+                                        m = s;
+                                    }
+                                }
+                                let mut l = A::ZERO;
+                                let orow = &mut o_head[i * d..(i + 1) * d];
+                                for j in lo..hi {
+                                    let pj = (scores[j] - m).exp();
+                                    l += pj;
+                                    let vr = &vbuf[j * d..(j + 1) * d];
+                                    for x in 0..d {
+                                        orow[x] += pj * vr[x];
+                                    }
+                                }
+                                for o in orow.iter_mut() {
+                                    *o = *o / l;
+                                }
+                                l_head[i] = (m.f64() + l.f64().ln()) as f32;
+                            }
+                            res.push((bi, h, o_head, l_head));
+                        }
+                    }
+                    res
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("flashcore: CPU worker panicked")).collect()
+    });
+    for (bi, h, o_head, l_head) in results.into_iter().flatten() {
+        for i in 0..sq {
+            let dst = ((bi * sq + i) * hq + h) * d;
+            for x in 0..d {
+                out[dst + x] = T::from_f64(o_head[i * d + x].f64());
+            }
+        }
+        lse[(bi * hq + h) * sq..(bi * hq + h + 1) * sq].copy_from_slice(&l_head);
+    }
+    (out, lse)
+}
+
+/// `(seq_q, seq_k)` additive mask: 0 where visible, -inf elsewhere, in `dtype`.
+pub(crate) fn mask_bias(sq: usize, sk: usize, mask: Mask, dtype: DType, dev: &Device) -> Result<Tensor> {
+    let mut m = vec![f32::NEG_INFINITY; sq * sk];
+    for i in 0..sq {
+        let (lo, hi) = visible_keys(i, sq, sk, mask);
+        for j in lo..hi.max(lo) {
+            m[i * sk + j] = 0.0;
+        }
+    }
+    Tensor::from_vec(m, (sq, sk), dev)?.to_dtype(dtype)
+}
+
+/// `(heads_q, seq_q, seq_k)` ALiBi bias `-slope[h] * |j - (i + sk - sq)|`.
+fn alibi_bias(slopes: &Tensor, sq: usize, sk: usize, dtype: DType) -> Result<Tensor> {
+    let dev = slopes.device();
+    let i = Tensor::arange(0u32, sq as u32, dev)?.to_dtype(DType::F32)?.reshape((sq, 1))?;
+    let j = Tensor::arange(0u32, sk as u32, dev)?.to_dtype(DType::F32)?.reshape((1, sk))?;
+    let dist = j.broadcast_sub(&(i + (sk as f64 - sq as f64))?)?.abs()?;
+    let h = slopes.dims1()?;
+    slopes
+        .reshape((h, 1, 1))?
+        .broadcast_mul(&dist.unsqueeze(0)?)?
+        .neg()?
+        .to_dtype(dtype)
+}
+
+/// Eager attention from candle ops in the input dtype: transpose, repeat K/V for GQA, matmul,
+/// softcap, ALiBi, mask, softmax, matmul. Rows that see no key come out as zeros here too.
+pub(crate) fn eager(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Result<Tensor> {
+    let p = crate::params::validate(q, k, v, params)?;
+    let dtype = p.dtype;
+    let ratio = p.h_ratio();
+    let q = q.transpose(1, 2)?.contiguous()?; // (b, hq, sq, d)
+    let repeat = |t: &Tensor| -> Result<Tensor> {
+        let t = t.transpose(1, 2)?; // (b, hkv, sk, d)
+        let t = if ratio == 1 {
+            t
+        } else {
+            let (b, hkv, sk, d) = t.dims4()?;
+            t.unsqueeze(2)?.broadcast_as((b, hkv, ratio, sk, d))?.reshape((b, hkv * ratio, sk, d))?
+        };
+        t.contiguous()
+    };
+    let k = repeat(k)?;
+    let v = repeat(v)?;
+    let mut s = (q.matmul(&k.t()?)? * p.scale as f64)?;
+    if let Some(c) = p.softcap {
+        s = ((s / c as f64)?.tanh()? * c as f64)?;
+    }
+    if let Some(sl) = &params.alibi_slopes {
+        s = s.broadcast_add(&alibi_bias(sl, p.sq, p.sk, dtype)?)?;
+    }
+    let any_masked = p.mask != Mask::None;
+    if any_masked {
+        s = s.broadcast_add(&mask_bias(p.sq, p.sk, p.mask, dtype, s.device())?)?;
+    }
+    let mut w = candle_nn::ops::softmax_last_dim(&s)?;
+    if any_masked {
+        // A fully masked row gives NaN (0/0) in the softmax; the function defines it as zeros.
+        let empty = s.max_keepdim(D::Minus1)?.eq(f64::NEG_INFINITY)?;
+        w = empty.broadcast_as(w.shape())?.where_cond(&w.zeros_like()?, &w)?;
+    }
+    w.matmul(&v)?.transpose(1, 2)?.contiguous()
+}

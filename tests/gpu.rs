@@ -1,0 +1,156 @@
+//! GPU tests (feature `cuda`): every test skips itself, saying so, when no CUDA device is present;
+//! with one, each compares the kernels against a CPU reference and can fail. One binary, so the
+//! packed bundle carries candle's PTX once.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use candle_core::{DType, Device, Result, Tensor};
+use common::*;
+use flashcore::cuda::{set_arch_override, set_poison_outputs, Arch};
+use flashcore::{attention_slow, attention_with_lse, AttnParams, Mask};
+
+fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+/// Arch under test: FLASHCORE_TEST_ARCH=sm80|sm90 forces a family (the H100 runs both).
+fn arch_under_test() {
+    let a = std::env::var("FLASHCORE_TEST_ARCH").ok().and_then(|s| Arch::parse(&s));
+    set_arch_override(a);
+    set_poison_outputs(true);
+}
+
+struct Case {
+    b: usize,
+    sq: usize,
+    sk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    dtype: DType,
+    mask: Mask,
+    strided: bool,
+}
+
+impl std::fmt::Display for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} b{} sq{} sk{} h{}/{} d{} {} strided={}",
+            self.dtype, self.b, self.sq, self.sk, self.hq, self.hkv, self.d, mask_name(self.mask), self.strided
+        )
+    }
+}
+
+/// Runs one case on the GPU (outputs poisoned first) and checks the tolerance rule: the fused
+/// error against float64 is at most 2x the error of the naive same-precision GPU implementation
+/// (candle matmul/softmax in the input dtype) plus a rounding floor; LSE within f32 rounding.
+fn check(dev: &Device, c: &Case) -> Result<(f64, f64)> {
+    let (q, k, v) = qkv(c.b, c.sq, c.sk, c.hq, c.hkv, c.d, c.dtype, c.strided, dev)?;
+    let p = AttnParams { mask: c.mask, ..Default::default() };
+    let (o, lse) = attention_with_lse(&q, &k, &v, &p)?;
+    let o = o.to_device(&Device::Cpu)?;
+    let lse = lse.to_device(&Device::Cpu)?;
+    assert_eq!(non_finite(&o)?, 0, "{c}: non-finite (unwritten or NaN) output elements");
+    let (o_ref, lse_ref) = reference_f64(&q, &k, &v, &p)?;
+    let naive = attention_slow(&q, &k, &v, &p)?.to_device(&Device::Cpu)?;
+    let err = max_abs_diff(&o, &o_ref)?;
+    let naive_err = max_abs_diff(&naive, &o_ref)?;
+    let floor = rounding_floor(c.dtype, max_abs(&o_ref)?);
+    assert!(err <= 2.0 * naive_err + floor, "{c}: fused error {err:.3e} > 2 x naive {naive_err:.3e} + floor {floor:.1e}");
+    let lerr = lse_err(&lse, &lse_ref)?;
+    assert!(lerr <= 2e-3, "{c}: lse error {lerr:.3e}");
+    Ok((err, naive_err))
+}
+
+#[test]
+fn pipeline_tiny_kernel_poisons() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let t = Tensor::ones((3, 1000), dtype, &dev)?;
+        flashcore::cuda::poison(&t)?;
+        let n = non_finite(&t.to_device(&Device::Cpu)?)?;
+        assert_eq!(n, 3000, "{dtype:?}: poison kernel wrote {n} of 3000 elements");
+    }
+    Ok(())
+}
+
+#[test]
+fn sweep() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let seqs = [(1, 1), (1, 113), (7, 113), (113, 7), (113, 113), (256, 256), (1023, 1023), (1, 4224), (4224, 4224), (113, 4224), (1023, 113)];
+    let heads = [(8, 8), (8, 2), (8, 1)];
+    let mut n = 0;
+    for dtype in [DType::BF16, DType::F16] {
+        for d in [64, 128, 256] {
+            for mask in [Mask::None, Mask::Causal] {
+                for (i, &(sq, sk)) in seqs.iter().enumerate() {
+                    if sq * sk >= 4224 * 4224 && (d != 128 || dtype == DType::F16) {
+                        continue; // the f64 CPU reference of the largest case is slow: once per mask
+                    }
+                    let (hq, hkv) = heads[(i + n) % 3];
+                    let c = Case { b: if sq * sk > 1 << 20 { 1 } else { 2 }, sq, sk, hq, hkv, d, dtype, mask, strided: (i + n) % 2 == 0 };
+                    let (e, ne) = check(&dev, &c)?;
+                    println!("[OK] {c}: err {e:.2e} (naive {ne:.2e})");
+                    n += 1;
+                }
+            }
+        }
+    }
+    println!("sweep: {n} cases passed");
+    Ok(())
+}
+
+#[test]
+fn random_problems() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let count: usize = std::env::var("FLASHCORE_RANDOM_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(100);
+    let mut seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
+    println!("random_problems: {count} cases, seed {seed}");
+    let mut next = |n: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % n as u64) as usize
+    };
+    for i in 0..count {
+        let hkv = [1, 2, 4][next(3)];
+        let hq = hkv * [1, 2, 4, 8][next(4)];
+        let c = Case {
+            b: 1 + next(3),
+            sq: 1 + next(600),
+            sk: 1 + next(600),
+            hq,
+            hkv,
+            d: [64, 128, 256][next(3)],
+            dtype: [DType::BF16, DType::F16][next(2)],
+            mask: [Mask::None, Mask::Causal][next(2)],
+            strided: next(2) == 1,
+        };
+        check(&dev, &c).map_err(|e| candle_core::Error::Msg(format!("random case {i} ({c}): {e}")))?;
+    }
+    println!("random_problems: {count} cases passed");
+    Ok(())
+}
+
+#[test]
+fn unsupported_options_error_clearly() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let (q, k, v) = qkv(1, 8, 8, 2, 2, 64, DType::F32, false, &dev)?;
+    let e = flashcore::attention(&q, &k, &v, &AttnParams::default()).unwrap_err().to_string();
+    assert!(e.contains("no CUDA kernel for dtype F32"), "{e}");
+    let (q, k, v) = qkv(1, 8, 8, 2, 2, 64, DType::BF16, false, &dev)?;
+    let e = flashcore::attention(&q, &k, &v, &AttnParams { softcap: Some(10.0), ..Default::default() }).unwrap_err().to_string();
+    assert!(e.contains("no CUDA kernel for softcap") && e.contains("sq=8"), "{e}");
+    Ok(())
+}
