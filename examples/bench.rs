@@ -67,7 +67,9 @@ impl Problem {
         4.0 * (self.b * self.hq * self.sq) as f64 * avg_sk * self.d as f64
     }
     fn bytes(&self, elem: usize) -> f64 {
-        (elem * (2 * self.b * self.sq * self.hq * self.d + 2 * self.b * self.sk * self.hkv * self.d)) as f64
+        (elem
+            * (2 * self.b * self.sq * self.hq * self.d + 2 * self.b * self.sk * self.hkv * self.d))
+            as f64
     }
 }
 
@@ -78,20 +80,60 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
             for (d, h) in [(64, 32), (128, 16), (256, 8)] {
                 for s in [512, 1024, 2048, 4096, 8192, 16384] {
                     for causal in [false, true] {
-                        v.push(Problem { b: 16384 / s, hq: h, hkv: h, sq: s, sk: s, d, causal });
+                        v.push(Problem {
+                            b: 16384 / s,
+                            hq: h,
+                            hkv: h,
+                            sq: s,
+                            sk: s,
+                            d,
+                            causal,
+                        });
                     }
                 }
             }
         }
         "seeds" => {
-            v.push(Problem { b: 16, hq: 16, hkv: 16, sq: 2048, sk: 2048, d: 64, causal: false });
-            v.push(Problem { b: 1, hq: 8, hkv: 8, sq: 512, sk: 512, d: 64, causal: false });
+            v.push(Problem {
+                b: 16,
+                hq: 16,
+                hkv: 16,
+                sq: 2048,
+                sk: 2048,
+                d: 64,
+                causal: false,
+            });
+            v.push(Problem {
+                b: 1,
+                hq: 8,
+                hkv: 8,
+                sq: 512,
+                sk: 512,
+                d: 64,
+                causal: false,
+            });
         }
         "llama" => {
-            v.push(Problem { b: 1, hq: 32, hkv: 8, sq: 4096, sk: 4096, d: 128, causal: true });
+            v.push(Problem {
+                b: 1,
+                hq: 32,
+                hkv: 8,
+                sq: 4096,
+                sk: 4096,
+                d: 128,
+                causal: true,
+            });
             for b in [1, 8, 64] {
                 for sk in [4096, 8192, 32768] {
-                    v.push(Problem { b, hq: 32, hkv: 8, sq: 1, sk, d: 128, causal: false });
+                    v.push(Problem {
+                        b,
+                        hq: 32,
+                        hkv: 8,
+                        sq: 1,
+                        sk,
+                        d: 128,
+                        causal: false,
+                    });
                 }
             }
         }
@@ -133,7 +175,11 @@ fn time_it(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>) ->
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dev = if args.cpu { Device::Cpu } else { Device::cuda_if_available(0)? };
+    let dev = if args.cpu {
+        Device::Cpu
+    } else {
+        Device::cuda_if_available(0)?
+    };
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
         "f16" => DType::F16,
@@ -142,7 +188,8 @@ fn main() -> Result<()> {
     };
     #[cfg(feature = "cuda")]
     if let Some(a) = &args.force_arch {
-        let arch = flashcore::cuda::Arch::parse(a).ok_or_else(|| anyhow::anyhow!("--force-arch must be sm80 or sm90, got {a:?}"))?;
+        let arch = flashcore::cuda::Arch::parse(a)
+            .ok_or_else(|| anyhow::anyhow!("--force-arch must be sm80 or sm90, got {a:?}"))?;
         flashcore::cuda::set_arch_override(Some(arch));
     }
     #[cfg(not(feature = "cuda"))]
@@ -150,15 +197,44 @@ fn main() -> Result<()> {
         bail!("--force-arch needs a build with the `cuda` feature");
     }
     let problems = if let Some(s) = &args.shape {
-        let n: Vec<usize> = s.split(',').map(|x| x.trim().parse()).collect::<std::result::Result<_, _>>()?;
-        let [b, hq, hkv, sq, sk, d] = n[..] else { bail!("--shape takes b,hq,hkv,sq,sk,d, got {s:?}") };
-        vec![Problem { b, hq, hkv, sq, sk, d, causal: args.causal }]
+        let n: Vec<usize> = s
+            .split(',')
+            .map(|x| x.trim().parse())
+            .collect::<std::result::Result<_, _>>()?;
+        let [b, hq, hkv, sq, sk, d] = n[..] else {
+            bail!("--shape takes b,hq,hkv,sq,sk,d, got {s:?}")
+        };
+        vec![Problem {
+            b,
+            hq,
+            hkv,
+            sq,
+            sk,
+            d,
+            causal: args.causal,
+        }]
     } else if let Some(g) = &args.grid {
         g.split(',').map(grid).collect::<Result<Vec<_>>>()?.concat()
     } else if dev.is_cpu() {
-        vec![Problem { b: 1, hq: 8, hkv: 2, sq: 512, sk: 512, d: 64, causal: true }]
+        vec![Problem {
+            b: 1,
+            hq: 8,
+            hkv: 2,
+            sq: 512,
+            sk: 512,
+            d: 64,
+            causal: true,
+        }]
     } else {
-        vec![Problem { b: 16, hq: 16, hkv: 16, sq: 2048, sk: 2048, d: 64, causal: false }]
+        vec![Problem {
+            b: 16,
+            hq: 16,
+            hkv: 16,
+            sq: 2048,
+            sk: 2048,
+            d: 64,
+            causal: false,
+        }]
     };
     let backends: Vec<&str> = match args.backend.as_str() {
         "all" => vec!["flashcore", "eager"],
@@ -172,13 +248,25 @@ fn main() -> Result<()> {
     for p in problems {
         // Enough input sets to exceed the L2 cache (50 MB on an H100) between reuses.
         let set_bytes = p.bytes(dtype.size_in_bytes());
-        let nsets = if dev.is_cpu() { 1 } else { ((120e6 / set_bytes).ceil() as usize).clamp(1, 8) };
+        let nsets = if dev.is_cpu() {
+            1
+        } else {
+            ((120e6 / set_bytes).ceil() as usize).clamp(1, 8)
+        };
         let mut sets = Vec::new();
         for _ in 0..nsets {
-            let r = |s: (usize, usize, usize, usize)| Tensor::randn(0f32, 1., s, &dev)?.to_dtype(dtype);
-            sets.push((r((p.b, p.sq, p.hq, p.d))?, r((p.b, p.sk, p.hkv, p.d))?, r((p.b, p.sk, p.hkv, p.d))?));
+            let r =
+                |s: (usize, usize, usize, usize)| Tensor::randn(0f32, 1., s, &dev)?.to_dtype(dtype);
+            sets.push((
+                r((p.b, p.sq, p.hq, p.d))?,
+                r((p.b, p.sk, p.hkv, p.d))?,
+                r((p.b, p.sk, p.hkv, p.d))?,
+            ));
         }
-        let params = AttnParams { mask: if p.causal { Mask::Causal } else { Mask::None }, ..Default::default() };
+        let params = AttnParams {
+            mask: if p.causal { Mask::Causal } else { Mask::None },
+            ..Default::default()
+        };
         for &backend in &backends {
             let run = |i: usize| -> candle_core::Result<Tensor> {
                 let (q, k, v) = &sets[i % nsets];
@@ -195,7 +283,11 @@ fn main() -> Result<()> {
             });
             let (status, us, err) = match res {
                 Ok(us) => {
-                    let err = if args.verify { Some(verify(&run(0)?, &sets[0], &params)?) } else { None };
+                    let err = if args.verify {
+                        Some(verify(&run(0)?, &sets[0], &params)?)
+                    } else {
+                        None
+                    };
                     ("OK", us, err)
                 }
                 Err(e) => {
@@ -212,7 +304,11 @@ fn main() -> Result<()> {
                     json_num(us), json_num(tflops), json_num(gbps), err.map_or("null".into(), json_num)
                 );
             } else {
-                let perf = if p.sq <= 16 { format!("{gbps:8.1} GB/s") } else { format!("{tflops:6.1} TFLOPS") };
+                let perf = if p.sq <= 16 {
+                    format!("{gbps:8.1} GB/s")
+                } else {
+                    format!("{tflops:6.1} TFLOPS")
+                };
                 let e = err.map_or(String::new(), |e| format!("  max_err {e:.2e}"));
                 println!(
                     "[{status}] {backend:<9} {arch:<6} {} b{} h{}/{} s{}/{} d{}{} : {us:9.1} us {perf}{e}",
@@ -233,7 +329,12 @@ fn json_num(x: f64) -> String {
 }
 
 /// The kernel family a backend runs on (the dispatcher's decision for flashcore).
-fn arch_name(backend: &str, dev: &Device, params: &AttnParams, set: &(Tensor, Tensor, Tensor)) -> String {
+fn arch_name(
+    backend: &str,
+    dev: &Device,
+    params: &AttnParams,
+    set: &(Tensor, Tensor, Tensor),
+) -> String {
     if backend == "eager" {
         return "eager".into();
     }
@@ -242,7 +343,11 @@ fn arch_name(backend: &str, dev: &Device, params: &AttnParams, set: &(Tensor, Te
         #[cfg(feature = "cuda")]
         Device::Cuda(d) => flashcore::cuda::describe(d, params, &set.0, &set.1, &set.2)
             .ok()
-            .and_then(|s| s.split('_').nth(1).map(|x| format!("{x}{}", if s.contains("_decode_") { "-dec" } else { "" })))
+            .and_then(|s| {
+                s.split('_')
+                    .nth(1)
+                    .map(|x| format!("{x}{}", if s.contains("_decode_") { "-dec" } else { "" }))
+            })
             .unwrap_or_else(|| "n/a".into()),
         _ => {
             let _ = (params, set);
@@ -258,10 +363,22 @@ fn verify(out: &Tensor, set: &(Tensor, Tensor, Tensor), p: &AttnParams) -> Resul
     let sq = q.dim(1)?;
     let r = sq.min(64);
     let cpu = Device::Cpu;
-    let q1 = q.narrow(0, 0, 1)?.narrow(1, sq - r, r)?.to_device(&cpu)?.to_dtype(DType::F32)?;
+    let q1 = q
+        .narrow(0, 0, 1)?
+        .narrow(1, sq - r, r)?
+        .to_device(&cpu)?
+        .to_dtype(DType::F32)?;
     let k1 = k.narrow(0, 0, 1)?.to_device(&cpu)?.to_dtype(DType::F32)?;
     let v1 = v.narrow(0, 0, 1)?.to_device(&cpu)?.to_dtype(DType::F32)?;
     let want = flashcore::attention(&q1, &k1, &v1, p)?;
-    let got = out.narrow(0, 0, 1)?.narrow(1, sq - r, r)?.to_device(&cpu)?.to_dtype(DType::F32)?;
-    Ok((got - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64)
+    let got = out
+        .narrow(0, 0, 1)?
+        .narrow(1, sq - r, r)?
+        .to_device(&cpu)?
+        .to_dtype(DType::F32)?;
+    Ok((got - want)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()? as f64)
 }

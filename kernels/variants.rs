@@ -153,17 +153,59 @@ const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages }
 }
 
+const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
+    // Split-KV decode: block_m = packed query rows (h_ratio * sq) per CTA, block_n = keys per
+    // cp.async stage. 40 / 80 / 80 KB of smem: fits sm_86/89's 99 KB. See docs/perf.md.
+    let (block_m, block_n, warps, stages) = match head_dim {
+        256 => (32, 32, 2, 2),
+        _ => (64, 64, 4, 2),
+    };
+    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages }
+}
+
+/// Largest seq_q routed to the split-KV decode kernels (decode and speculative widths).
+pub const DECODE_MAX_SQ: u32 = 16;
+
+/// Entry point of the combine kernel paired with a family's decode kernels.
+pub fn combine_symbol(family: &str, dtype: KDType, head_dim: u32) -> String {
+    format!("fc_{}_combine_{}_d{}", family, dtype.name(), head_dim)
+}
+
 pub const VARIANTS: &[Variant] = &[
     sm80(KDType::Bf16, 64, KMask::None),
     sm80(KDType::Bf16, 64, KMask::Causal),
+    sm80(KDType::Bf16, 64, KMask::Local),
     sm80(KDType::Bf16, 128, KMask::None),
     sm80(KDType::Bf16, 128, KMask::Causal),
+    sm80(KDType::Bf16, 128, KMask::Local),
     sm80(KDType::Bf16, 256, KMask::None),
     sm80(KDType::Bf16, 256, KMask::Causal),
+    sm80(KDType::Bf16, 256, KMask::Local),
     sm80(KDType::F16, 64, KMask::None),
     sm80(KDType::F16, 64, KMask::Causal),
+    sm80(KDType::F16, 64, KMask::Local),
     sm80(KDType::F16, 128, KMask::None),
     sm80(KDType::F16, 128, KMask::Causal),
+    sm80(KDType::F16, 128, KMask::Local),
     sm80(KDType::F16, 256, KMask::None),
     sm80(KDType::F16, 256, KMask::Causal),
+    sm80(KDType::F16, 256, KMask::Local),
+    sm80_decode(KDType::Bf16, 64, KMask::None),
+    sm80_decode(KDType::Bf16, 64, KMask::Causal),
+    sm80_decode(KDType::Bf16, 64, KMask::Local),
+    sm80_decode(KDType::Bf16, 128, KMask::None),
+    sm80_decode(KDType::Bf16, 128, KMask::Causal),
+    sm80_decode(KDType::Bf16, 128, KMask::Local),
+    sm80_decode(KDType::Bf16, 256, KMask::None),
+    sm80_decode(KDType::Bf16, 256, KMask::Causal),
+    sm80_decode(KDType::Bf16, 256, KMask::Local),
+    sm80_decode(KDType::F16, 64, KMask::None),
+    sm80_decode(KDType::F16, 64, KMask::Causal),
+    sm80_decode(KDType::F16, 64, KMask::Local),
+    sm80_decode(KDType::F16, 128, KMask::None),
+    sm80_decode(KDType::F16, 128, KMask::Causal),
+    sm80_decode(KDType::F16, 128, KMask::Local),
+    sm80_decode(KDType::F16, 256, KMask::None),
+    sm80_decode(KDType::F16, 256, KMask::Causal),
+    sm80_decode(KDType::F16, 256, KMask::Local),
 ];

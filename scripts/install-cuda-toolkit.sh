@@ -37,23 +37,33 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# Link-time stub libcuda.so from the driver symbols cudarc declares (if cudarc's source is present)
-# plus a fixed list, so linking never depends on which cudarc version cargo picked.
+# Link-time stub libcuda.so (soname libcuda.so.1) exporting every driver symbol that cudarc
+# declares, so candle/cudarc link without a driver; the real driver is used at run time. The
+# symbol list comes from cudarc's source in the cargo registry: fetch it first if it is missing
+# (from the repo this script lives in), and regenerate whenever the set of cudarc versions changes.
+registry="${CARGO_HOME:-$HOME/.cargo}/registry/src"
+cudarc_dirs() { ls -d "$registry"/*/cudarc-*/src/driver/sys 2>/dev/null | sort; }
+if [ -z "$(cudarc_dirs)" ]; then
+  repo=$(cd "$(dirname "$0")/.." && pwd)
+  if [ -f "$repo/Cargo.toml" ] && command -v cargo >/dev/null; then
+    log "fetching crates (for cudarc's driver symbol list)"
+    (cd "$repo" && cargo fetch >&2) || true
+  fi
+fi
+dirs=$(cudarc_dirs)
+[ -n "$dirs" ] || { echo "install-cuda-toolkit: cudarc's source is not in $registry; run 'cargo fetch' in the repo first" >&2; exit 1; }
 stub="$prefix/lib/stubs/libcuda.so"
-if [ ! -f "$stub" ]; then
+stub_key=$(echo "$dirs" | sha256sum | cut -c1-16)
+if [ ! -f "$stub" ] || [ "$(cat "$prefix/lib/stubs/.key" 2>/dev/null)" != "$stub_key" ]; then
   mkdir -p "$prefix/lib/stubs"
-  syms=$(mktemp)
-  for f in $(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-*/src/driver/sys 2>/dev/null); do
-    grep -rhoE '\bcu[A-Z][A-Za-z0-9_]*\b' "$f" >> "$syms" || true
-  done
-  # Fallback: the driver API prefix space, enough for candle/cudarc's dynamic loading.
-  printf '%s\n' cuInit cuDriverGetVersion cuDeviceGet cuDeviceGetCount cuDeviceGetAttribute \
-    cuCtxCreate_v2 cuModuleLoadData cuModuleGetFunction cuLaunchKernel cuTensorMapEncodeTiled >> "$syms"
   src=$(mktemp --suffix=.c)
-  sort -u "$syms" | grep -E '^cu[A-Z]' | awk '{print "void " $1 "(void) {}"}' > "$src"
+  # shellcheck disable=SC2086
+  grep -rhoE '\bcu[A-Z][A-Za-z0-9_]*\b' $dirs | sort -u | awk '{print "void " $1 "(void) {}"}' > "$src"
   cc -shared -fPIC -nostdlib -Wl,-soname,libcuda.so.1 -o "$stub" "$src"
   ln -sf libcuda.so "$prefix/lib/stubs/libcuda.so.1"
-  rm -f "$syms" "$src"
+  log "libcuda stub: $(wc -l < "$src") driver symbols"
+  rm -f "$src"
+  echo "$stub_key" > "$prefix/lib/stubs/.key"
 fi
 
 exports="export CUDA_HOME=$prefix CUDA_PATH=$prefix CUDA_ROOT=$prefix PATH=$prefix/bin:\$PATH LIBRARY_PATH=$prefix/lib:$prefix/lib/stubs:\${LIBRARY_PATH:-} LD_LIBRARY_PATH=$prefix/lib:\${LD_LIBRARY_PATH:-} CUDA_COMPUTE_CAP=\${CUDA_COMPUTE_CAP:-80}"

@@ -85,7 +85,8 @@ pub fn attention_with_lse(
     params: &AttnParams,
 ) -> Result<(Tensor, Tensor)> {
     let (o, lse) = op::run(q, k, v, params, true)?;
-    let lse = lse.ok_or_else(|| candle_core::Error::Msg("flashcore: internal: lse missing".into()))?;
+    let lse =
+        lse.ok_or_else(|| candle_core::Error::Msg("flashcore: internal: lse missing".into()))?;
     Ok((o, lse))
 }
 

@@ -123,7 +123,8 @@ pub(crate) fn run(
     let aligned = |t: &Tensor| -> Result<Tensor> {
         let l = t.layout();
         if t.device().is_cuda()
-            && (l.start_offset() % 8 != 0 || l.stride()[..3].iter().any(|s| s % 8 != 0))
+            && (!l.start_offset().is_multiple_of(8)
+                || l.stride()[..3].iter().any(|s| !s.is_multiple_of(8)))
         {
             t.contiguous()
         } else {
@@ -131,7 +132,12 @@ pub(crate) fn run(
         }
     };
     let (q, k, v) = (&aligned(q)?, &aligned(k)?, &aligned(v)?);
-    let problem = Problem { q_strides: strides3(q), k_strides: strides3(k), v_strides: strides3(v), ..problem };
+    let problem = Problem {
+        q_strides: strides3(q),
+        k_strides: strides3(k),
+        v_strides: strides3(v),
+        ..problem
+    };
     let lse_shape = Shape::from((problem.b, problem.hq, problem.sq));
     let slot = Arc::new(Mutex::new(None));
     let op = FlashAttn {
@@ -142,10 +148,19 @@ pub(crate) fn run(
     };
     let o = q.apply_op3_arc(k, v, Arc::new(Box::new(op)))?;
     let lse = if want_lse {
-        let s = slot.lock().unwrap_or_else(|e| e.into_inner()).take().ok_or_else(|| {
-            candle_core::Error::Msg("flashcore: internal: forward produced no lse".into())
-        })?;
-        Some(Tensor::from_storage(s, lse_shape, BackpropOp::none(), false))
+        let s = slot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| {
+                candle_core::Error::Msg("flashcore: internal: forward produced no lse".into())
+            })?;
+        Some(Tensor::from_storage(
+            s,
+            lse_shape,
+            BackpropOp::none(),
+            false,
+        ))
     } else {
         None
     };

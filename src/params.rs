@@ -131,7 +131,11 @@ pub(crate) fn validate(
     }
     let dtype = q.dtype();
     if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32 | DType::F64) {
-        return Err(bad("q", "dtype must be f16, bf16, f32 or f64", format!("{dtype:?}")));
+        return Err(bad(
+            "q",
+            "dtype must be f16, bf16, f32 or f64",
+            format!("{dtype:?}"),
+        ));
     }
     for (name, t) in [("k", k), ("v", v)] {
         if t.dtype() != dtype {
@@ -146,7 +150,10 @@ pub(crate) fn validate(
         if !t.device().same_device(q.device()) {
             return Err(bad(
                 name,
-                &format!("must be on the same device as q ({:?})", q.device().location()),
+                &format!(
+                    "must be on the same device as q ({:?})",
+                    q.device().location()
+                ),
                 format!("{:?}", t.device().location()),
             ));
         }
@@ -154,13 +161,21 @@ pub(crate) fn validate(
     let (b, sq, hq, d) = q.dims4()?;
     let (bk, sk, hkv, dk) = k.dims4()?;
     if v.dims() != k.dims() {
-        return Err(bad("v", &format!("shape must equal k's {:?}", k.dims()), format!("{:?}", v.dims())));
+        return Err(bad(
+            "v",
+            &format!("shape must equal k's {:?}", k.dims()),
+            format!("{:?}", v.dims()),
+        ));
     }
     if bk != b {
         return Err(bad("k", &format!("batch must equal q's batch {b}"), bk));
     }
     if dk != d {
-        return Err(bad("k", &format!("head_dim must equal q's head_dim {d}"), dk));
+        return Err(bad(
+            "k",
+            &format!("head_dim must equal q's head_dim {d}"),
+            dk,
+        ));
     }
     if hkv == 0 || hq % hkv != 0 {
         return Err(bad(
@@ -180,10 +195,18 @@ pub(crate) fn validate(
     let k_strides = strides4("k", k.layout())?;
     let v_strides = strides4("v", v.layout())?;
     if b == 0 || sq == 0 || hq == 0 {
-        return Err(bad("q", "must not be empty", format!("shape {:?}", q.dims())));
+        return Err(bad(
+            "q",
+            "must not be empty",
+            format!("shape {:?}", q.dims()),
+        ));
     }
     if sk == 0 {
-        return Err(bad("k", "must not be empty (seq_k >= 1)", format!("shape {:?}", k.dims())));
+        return Err(bad(
+            "k",
+            "must not be empty (seq_k >= 1)",
+            format!("shape {:?}", k.dims()),
+        ));
     }
     let scale = p.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
     if !scale.is_finite() {
@@ -196,7 +219,11 @@ pub(crate) fn validate(
     }
     if let Some(s) = &p.alibi_slopes {
         if s.dtype() != DType::F32 {
-            return Err(bad("alibi_slopes", "dtype must be f32", format!("{:?}", s.dtype())));
+            return Err(bad(
+                "alibi_slopes",
+                "dtype must be f32",
+                format!("{:?}", s.dtype()),
+            ));
         }
         if s.dims() != [hq] {
             return Err(bad(
@@ -208,7 +235,10 @@ pub(crate) fn validate(
         if !s.device().same_device(q.device()) {
             return Err(bad(
                 "alibi_slopes",
-                &format!("must be on the same device as q ({:?})", q.device().location()),
+                &format!(
+                    "must be on the same device as q ({:?})",
+                    q.device().location()
+                ),
                 format!("{:?}", s.device().location()),
             ));
         }

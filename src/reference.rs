@@ -56,6 +56,9 @@ pub(crate) fn visible_keys(i: usize, sq: usize, sk: usize, mask: Mask) -> (usize
     (lo.min(sk as i64) as usize, hi as usize)
 }
 
+/// One query head's result: (batch, head, O rows `(sq, d)`, LSE `(sq,)`).
+type HeadResult<A> = (usize, usize, Vec<A>, Vec<f32>);
+
 /// Fused CPU attention over strided storage. `q`, `k`, `v` are the storages' full slices with
 /// the layouts' start offsets already applied. Returns O `(b, sq, hq, d)` contiguous in `T` and
 /// LSE `(b, hq, sq)` f32.
@@ -74,9 +77,14 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
     let softcap = p.softcap.map(|c| A::of(c as f64));
     // One unit of work: a (batch, kv head) pair; it owns the output of its `ratio` query heads.
     // Collect disjoint output slices per unit so threads can write without locks.
-    let units: Vec<(usize, usize)> = (0..b).flat_map(|bi| (0..hkv).map(move |g| (bi, g))).collect();
-    let nthreads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(units.len()).max(1);
-    let results: Vec<Vec<(usize, usize, Vec<A>, Vec<f32>)>> = std::thread::scope(|s| {
+    let units: Vec<(usize, usize)> = (0..b)
+        .flat_map(|bi| (0..hkv).map(move |g| (bi, g)))
+        .collect();
+    let nthreads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(units.len())
+        .max(1);
+    let results: Vec<Vec<HeadResult<A>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..nthreads)
             .map(|t| {
                 let units = &units;
@@ -104,7 +112,8 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
                                 if lo >= hi {
                                     continue;
                                 }
-                                let qo = bi * p.q_strides[0] + i * p.q_strides[1] + h * p.q_strides[2];
+                                let qo =
+                                    bi * p.q_strides[0] + i * p.q_strides[1] + h * p.q_strides[2];
                                 for x in 0..d {
                                     qrow[x] = A::of(q[qo + x].to_f64());
                                 }
@@ -150,7 +159,10 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("flashcore: CPU worker panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("flashcore: CPU worker panicked"))
+            .collect()
     });
     for (bi, h, o_head, l_head) in results.into_iter().flatten() {
         for i in 0..sq {
@@ -165,7 +177,13 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
 }
 
 /// `(seq_q, seq_k)` additive mask: 0 where visible, -inf elsewhere, in `dtype`.
-pub(crate) fn mask_bias(sq: usize, sk: usize, mask: Mask, dtype: DType, dev: &Device) -> Result<Tensor> {
+pub(crate) fn mask_bias(
+    sq: usize,
+    sk: usize,
+    mask: Mask,
+    dtype: DType,
+    dev: &Device,
+) -> Result<Tensor> {
     let mut m = vec![f32::NEG_INFINITY; sq * sk];
     for i in 0..sq {
         let (lo, hi) = visible_keys(i, sq, sk, mask);
@@ -179,8 +197,12 @@ pub(crate) fn mask_bias(sq: usize, sk: usize, mask: Mask, dtype: DType, dev: &De
 /// `(heads_q, seq_q, seq_k)` ALiBi bias `-slope[h] * |j - (i + sk - sq)|`.
 fn alibi_bias(slopes: &Tensor, sq: usize, sk: usize, dtype: DType) -> Result<Tensor> {
     let dev = slopes.device();
-    let i = Tensor::arange(0u32, sq as u32, dev)?.to_dtype(DType::F32)?.reshape((sq, 1))?;
-    let j = Tensor::arange(0u32, sk as u32, dev)?.to_dtype(DType::F32)?.reshape((1, sk))?;
+    let i = Tensor::arange(0u32, sq as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((sq, 1))?;
+    let j = Tensor::arange(0u32, sk as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((1, sk))?;
     let dist = j.broadcast_sub(&(i + (sk as f64 - sq as f64))?)?.abs()?;
     let h = slopes.dims1()?;
     slopes
@@ -203,7 +225,9 @@ pub(crate) fn eager(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> 
             t
         } else {
             let (b, hkv, sk, d) = t.dims4()?;
-            t.unsqueeze(2)?.broadcast_as((b, hkv, ratio, sk, d))?.reshape((b, hkv * ratio, sk, d))?
+            t.unsqueeze(2)?
+                .broadcast_as((b, hkv, ratio, sk, d))?
+                .reshape((b, hkv * ratio, sk, d))?
         };
         t.contiguous()
     };
@@ -224,7 +248,9 @@ pub(crate) fn eager(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> 
     if any_masked {
         // A fully masked row gives NaN (0/0) in the softmax; the function defines it as zeros.
         let empty = s.max_keepdim(D::Minus1)?.eq(f64::NEG_INFINITY)?;
-        w = empty.broadcast_as(w.shape())?.where_cond(&w.zeros_like()?, &w)?;
+        w = empty
+            .broadcast_as(w.shape())?
+            .where_cond(&w.zeros_like()?, &w)?;
     }
     w.matmul(&v)?.transpose(1, 2)?.contiguous()
 }

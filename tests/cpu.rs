@@ -54,23 +54,45 @@ fn check(
     );
     // LSE is computed in f32: allow f32 rounding of values of magnitude ~ log(sk) + |max score|.
     let lerr = lse_err(&lse, &lse_ref)?;
-    assert!(lerr <= 1e-4 * (1.0 + max_abs(&lse_ref.clamp(-1e30, 1e30)?)?), "{what}: lse error {lerr:.3e}");
+    assert!(
+        lerr <= 1e-4 * (1.0 + max_abs(&lse_ref.clamp(-1e30, 1e30)?)?),
+        "{what}: lse error {lerr:.3e}"
+    );
     Ok(err)
 }
 
 fn p(mask: Mask) -> AttnParams {
-    AttnParams { mask, ..Default::default() }
+    AttnParams {
+        mask,
+        ..Default::default()
+    }
 }
 
 #[test]
 fn sweep_shapes_masks_gqa() -> Result<()> {
-    let seqs = [(1, 1), (1, 113), (7, 7), (7, 113), (113, 7), (113, 113), (256, 256), (1, 1023), (256, 1023)];
+    let seqs = [
+        (1, 1),
+        (1, 113),
+        (7, 7),
+        (7, 113),
+        (113, 7),
+        (113, 113),
+        (256, 256),
+        (1, 1023),
+        (256, 1023),
+    ];
     let heads = [(8, 8), (8, 2), (8, 1)];
     let masks = [
         Mask::None,
         Mask::Causal,
-        Mask::Window { left: Some(16), right: Some(4) },
-        Mask::Window { left: Some(0), right: None },
+        Mask::Window {
+            left: Some(16),
+            right: Some(4),
+        },
+        Mask::Window {
+            left: Some(0),
+            right: None,
+        },
     ];
     let mut n = 0;
     for (i, &(sq, sk)) in seqs.iter().enumerate() {
@@ -103,7 +125,17 @@ fn sweep_dtypes_head_dims() -> Result<()> {
 
 #[test]
 fn long_sequence_1023() -> Result<()> {
-    check(1, 1023, 1023, 8, 2, 128, DType::BF16, true, &p(Mask::Causal))?;
+    check(
+        1,
+        1023,
+        1023,
+        8,
+        2,
+        128,
+        DType::BF16,
+        true,
+        &p(Mask::Causal),
+    )?;
     check(1, 1023, 1023, 8, 8, 64, DType::F32, false, &p(Mask::None))?;
     Ok(())
 }
@@ -112,12 +144,30 @@ fn long_sequence_1023() -> Result<()> {
 fn softcap_and_alibi() -> Result<()> {
     let slopes = Some(Tensor::zeros(1, DType::F32, &Device::Cpu)?); // replaced per case in check()
     for (sq, sk) in [(7, 113), (113, 113), (256, 7)] {
-        for mask in [Mask::None, Mask::Causal, Mask::Window { left: Some(8), right: Some(8) }] {
-            let sc = AttnParams { softcap: Some(5.0), softmax_scale: Some(0.5), ..p(mask) };
+        for mask in [
+            Mask::None,
+            Mask::Causal,
+            Mask::Window {
+                left: Some(8),
+                right: Some(8),
+            },
+        ] {
+            let sc = AttnParams {
+                softcap: Some(5.0),
+                softmax_scale: Some(0.5),
+                ..p(mask)
+            };
             check(2, sq, sk, 8, 2, 64, DType::F32, true, &sc)?;
-            let al = AttnParams { alibi_slopes: slopes.clone(), ..p(mask) };
+            let al = AttnParams {
+                alibi_slopes: slopes.clone(),
+                ..p(mask)
+            };
             check(2, sq, sk, 8, 4, 64, DType::BF16, false, &al)?;
-            let both = AttnParams { alibi_slopes: slopes.clone(), softcap: Some(20.0), ..p(mask) };
+            let both = AttnParams {
+                alibi_slopes: slopes.clone(),
+                softcap: Some(20.0),
+                ..p(mask)
+            };
             check(1, sq, sk, 4, 1, 128, DType::F16, false, &both)?;
         }
     }
@@ -127,7 +177,10 @@ fn softcap_and_alibi() -> Result<()> {
 #[test]
 fn random_problems() -> Result<()> {
     // Fresh shapes each run, from the clock; printed so a failure can be reproduced.
-    let mut seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
     println!("random_problems seed {seed}");
     let mut next = |n: usize| {
         seed ^= seed << 13;
@@ -141,9 +194,26 @@ fn random_problems() -> Result<()> {
         let d = [32, 64, 96, 128, 256][next(5)];
         let sq = 1 + next(150);
         let sk = 1 + next(150);
-        let mask = [Mask::None, Mask::Causal, Mask::Window { left: Some(next(40)), right: Some(next(40)) }][next(3)];
+        let mask = [
+            Mask::None,
+            Mask::Causal,
+            Mask::Window {
+                left: Some(next(40)),
+                right: Some(next(40)),
+            },
+        ][next(3)];
         let dtype = [DType::F32, DType::BF16, DType::F16][next(3)];
-        check(1 + next(2), sq, sk, hq, hkv, d, dtype, next(2) == 1, &p(mask))?;
+        check(
+            1 + next(2),
+            sq,
+            sk,
+            hq,
+            hkv,
+            d,
+            dtype,
+            next(2) == 1,
+            &p(mask),
+        )?;
     }
     Ok(())
 }
@@ -168,15 +238,30 @@ fn flash_attn_matches_attention_and_causal_is_bottom_right() -> Result<()> {
     let dev = Device::Cpu;
     let (q, k, v) = qkv(2, 3, 9, 4, 2, 64, DType::F32, false, &dev)?;
     let a = flash_attn(&q, &k, &v, 0.3, true)?;
-    let b = attention(&q, &k, &v, &AttnParams { softmax_scale: Some(0.3), mask: Mask::Causal, ..Default::default() })?;
+    let b = attention(
+        &q,
+        &k,
+        &v,
+        &AttnParams {
+            softmax_scale: Some(0.3),
+            mask: Mask::Causal,
+            ..Default::default()
+        },
+    )?;
     assert_eq!(max_abs_diff(&a, &b)?, 0.0);
     // Bottom-right: the last query row sees every key, so it equals unmasked attention.
     let full = flash_attn(&q, &k, &v, 0.3, false)?;
     assert!(max_abs_diff(&a.narrow(1, 2, 1)?, &full.narrow(1, 2, 1)?)? < 1e-6);
     // The first query row sees keys 0..=6 only: changing key 8 must not change it.
-    let k2 = k.slice_assign(&[0..2, 8..9, 0..2, 0..64], &Tensor::ones((2, 1, 2, 64), DType::F32, &dev)?)?;
+    let k2 = k.slice_assign(
+        &[0..2, 8..9, 0..2, 0..64],
+        &Tensor::ones((2, 1, 2, 64), DType::F32, &dev)?,
+    )?;
     let a2 = flash_attn(&q, &k2, &v, 0.3, true)?;
-    assert_eq!(max_abs_diff(&a.narrow(1, 0, 1)?, &a2.narrow(1, 0, 1)?)?, 0.0);
+    assert_eq!(
+        max_abs_diff(&a.narrow(1, 0, 1)?, &a2.narrow(1, 0, 1)?)?,
+        0.0
+    );
     assert!(max_abs_diff(&a.narrow(1, 2, 1)?, &a2.narrow(1, 2, 1)?)? > 0.0);
     // Default scale is 1/sqrt(d).
     let dflt = attention(&q, &k, &v, &AttnParams::default())?;
@@ -191,7 +276,10 @@ fn gqa_equals_repeated_kv() -> Result<()> {
     let (q, k, v) = qkv(1, 17, 33, 8, 2, 64, DType::F32, false, &dev)?;
     let rep = |t: &Tensor| -> Result<Tensor> {
         let (b, s, h, d) = t.dims4()?;
-        t.unsqueeze(3)?.broadcast_as((b, s, h, 4, d))?.reshape((b, s, h * 4, d))?.contiguous()
+        t.unsqueeze(3)?
+            .broadcast_as((b, s, h, 4, d))?
+            .reshape((b, s, h * 4, d))?
+            .contiguous()
     };
     let a = flash_attn(&q, &k, &v, 0.125, true)?;
     let b = flash_attn(&q, &rep(&k)?, &rep(&v)?, 0.125, true)?;
@@ -206,12 +294,17 @@ fn backward_fails_loudly() -> Result<()> {
     let (_, k, v) = qkv(1, 4, 4, 2, 2, 32, DType::F32, false, &dev)?;
     let o = flash_attn(q.as_tensor(), &k, &v, 0.2, false)?;
     let err = o.sum_all()?.backward().unwrap_err().to_string();
-    assert!(err.contains("flashcore-attention") && err.to_lowercase().contains("backward"), "{err}");
+    assert!(
+        err.contains("flashcore-attention") && err.to_lowercase().contains("backward"),
+        "{err}"
+    );
     Ok(())
 }
 
 fn err_of(q: &Tensor, k: &Tensor, v: &Tensor, p: &AttnParams) -> String {
-    attention(q, k, v, p).expect_err("must be rejected").to_string()
+    attention(q, k, v, p)
+        .expect_err("must be rejected")
+        .to_string()
 }
 
 #[test]
@@ -243,7 +336,10 @@ fn validation_messages() -> Result<()> {
         (err_of(&q, &k, &k, &AttnParams { alibi_slopes: Some(t(&[4], f)), ..d.clone() }), "alibi_slopes: shape must be (heads_q,) = (8,), got [4]"),
     ];
     for (got, want) in cases {
-        assert!(got.contains(want), "error message\n  {got}\nshould contain\n  {want}");
+        assert!(
+            got.contains(want),
+            "error message\n  {got}\nshould contain\n  {want}"
+        );
         assert!(got.starts_with("flashcore: "), "{got}");
     }
     Ok(())
@@ -252,7 +348,14 @@ fn validation_messages() -> Result<()> {
 #[test]
 fn eager_twin_agrees() -> Result<()> {
     let (q, k, v) = qkv(1, 33, 65, 4, 1, 64, DType::F32, true, &Device::Cpu)?;
-    for mask in [Mask::None, Mask::Causal, Mask::Window { left: Some(3), right: Some(2) }] {
+    for mask in [
+        Mask::None,
+        Mask::Causal,
+        Mask::Window {
+            left: Some(3),
+            right: Some(2),
+        },
+    ] {
         let a = attention(&q, &k, &v, &p(mask))?;
         let b = attention_slow(&q, &k, &v, &p(mask))?;
         assert!(max_abs_diff(&a, &b)? < 1e-5, "{mask:?}");

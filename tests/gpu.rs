@@ -22,7 +22,9 @@ fn gpu() -> Option<Device> {
 
 /// Arch under test: FLASHCORE_TEST_ARCH=sm80|sm90 forces a family (the H100 runs both).
 fn arch_under_test() {
-    let a = std::env::var("FLASHCORE_TEST_ARCH").ok().and_then(|s| Arch::parse(&s));
+    let a = std::env::var("FLASHCORE_TEST_ARCH")
+        .ok()
+        .and_then(|s| Arch::parse(&s));
     set_arch_override(a);
     set_poison_outputs(true);
 }
@@ -44,7 +46,15 @@ impl std::fmt::Display for Case {
         write!(
             f,
             "{:?} b{} sq{} sk{} h{}/{} d{} {} strided={}",
-            self.dtype, self.b, self.sq, self.sk, self.hq, self.hkv, self.d, mask_name(self.mask), self.strided
+            self.dtype,
+            self.b,
+            self.sq,
+            self.sk,
+            self.hq,
+            self.hkv,
+            self.d,
+            mask_name(self.mask),
+            self.strided
         )
     }
 }
@@ -54,17 +64,27 @@ impl std::fmt::Display for Case {
 /// (candle matmul/softmax in the input dtype) plus a rounding floor; LSE within f32 rounding.
 fn check(dev: &Device, c: &Case) -> Result<(f64, f64)> {
     let (q, k, v) = qkv(c.b, c.sq, c.sk, c.hq, c.hkv, c.d, c.dtype, c.strided, dev)?;
-    let p = AttnParams { mask: c.mask, ..Default::default() };
+    let p = AttnParams {
+        mask: c.mask,
+        ..Default::default()
+    };
     let (o, lse) = attention_with_lse(&q, &k, &v, &p)?;
     let o = o.to_device(&Device::Cpu)?;
     let lse = lse.to_device(&Device::Cpu)?;
-    assert_eq!(non_finite(&o)?, 0, "{c}: non-finite (unwritten or NaN) output elements");
+    assert_eq!(
+        non_finite(&o)?,
+        0,
+        "{c}: non-finite (unwritten or NaN) output elements"
+    );
     let (o_ref, lse_ref) = reference_f64(&q, &k, &v, &p)?;
     let naive = attention_slow(&q, &k, &v, &p)?.to_device(&Device::Cpu)?;
     let err = max_abs_diff(&o, &o_ref)?;
     let naive_err = max_abs_diff(&naive, &o_ref)?;
     let floor = rounding_floor(c.dtype, max_abs(&o_ref)?);
-    assert!(err <= 2.0 * naive_err + floor, "{c}: fused error {err:.3e} > 2 x naive {naive_err:.3e} + floor {floor:.1e}");
+    assert!(
+        err <= 2.0 * naive_err + floor,
+        "{c}: fused error {err:.3e} > 2 x naive {naive_err:.3e} + floor {floor:.1e}"
+    );
     let lerr = lse_err(&lse, &lse_ref)?;
     assert!(lerr <= 2e-3, "{c}: lse error {lerr:.3e}");
     Ok((err, naive_err))
@@ -77,7 +97,10 @@ fn pipeline_tiny_kernel_poisons() -> Result<()> {
         let t = Tensor::ones((3, 1000), dtype, &dev)?;
         flashcore::cuda::poison(&t)?;
         let n = non_finite(&t.to_device(&Device::Cpu)?)?;
-        assert_eq!(n, 3000, "{dtype:?}: poison kernel wrote {n} of 3000 elements");
+        assert_eq!(
+            n, 3000,
+            "{dtype:?}: poison kernel wrote {n} of 3000 elements"
+        );
     }
     Ok(())
 }
@@ -86,18 +109,47 @@ fn pipeline_tiny_kernel_poisons() -> Result<()> {
 fn sweep() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     arch_under_test();
-    let seqs = [(1, 1), (1, 113), (7, 113), (113, 7), (113, 113), (256, 256), (1023, 1023), (1, 4224), (4224, 4224), (113, 4224), (1023, 113)];
+    let seqs = [
+        (1, 1),
+        (1, 113),
+        (7, 113),
+        (113, 7),
+        (113, 113),
+        (256, 256),
+        (1023, 1023),
+        (1, 4224),
+        (4224, 4224),
+        (113, 4224),
+        (1023, 113),
+    ];
     let heads = [(8, 8), (8, 2), (8, 1)];
     let mut n = 0;
     for dtype in [DType::BF16, DType::F16] {
         for d in [64, 128, 256] {
-            for mask in [Mask::None, Mask::Causal] {
+            for mask in [
+                Mask::None,
+                Mask::Causal,
+                Mask::Window {
+                    left: Some(100),
+                    right: Some(20),
+                },
+            ] {
                 for (i, &(sq, sk)) in seqs.iter().enumerate() {
                     if sq * sk >= 4224 * 4224 && (d != 128 || dtype == DType::F16) {
                         continue; // the f64 CPU reference of the largest case is slow: once per mask
                     }
                     let (hq, hkv) = heads[(i + n) % 3];
-                    let c = Case { b: if sq * sk > 1 << 20 { 1 } else { 2 }, sq, sk, hq, hkv, d, dtype, mask, strided: (i + n) % 2 == 0 };
+                    let c = Case {
+                        b: if sq * sk > 1 << 20 { 1 } else { 2 },
+                        sq,
+                        sk,
+                        hq,
+                        hkv,
+                        d,
+                        dtype,
+                        mask,
+                        strided: (i + n) % 2 == 0,
+                    };
                     let (e, ne) = check(&dev, &c)?;
                     println!("[OK] {c}: err {e:.2e} (naive {ne:.2e})");
                     n += 1;
@@ -113,8 +165,15 @@ fn sweep() -> Result<()> {
 fn random_problems() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     arch_under_test();
-    let count: usize = std::env::var("FLASHCORE_RANDOM_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(100);
-    let mut seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
+    let count: usize = std::env::var("FLASHCORE_RANDOM_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100);
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
     println!("random_problems: {count} cases, seed {seed}");
     let mut next = |n: usize| {
         seed ^= seed << 13;
@@ -133,10 +192,18 @@ fn random_problems() -> Result<()> {
             hkv,
             d: [64, 128, 256][next(3)],
             dtype: [DType::BF16, DType::F16][next(2)],
-            mask: [Mask::None, Mask::Causal][next(2)],
+            mask: [
+                Mask::None,
+                Mask::Causal,
+                Mask::Window {
+                    left: Some(next(300)),
+                    right: Some(next(300)),
+                },
+            ][next(3)],
             strided: next(2) == 1,
         };
-        check(&dev, &c).map_err(|e| candle_core::Error::Msg(format!("random case {i} ({c}): {e}")))?;
+        check(&dev, &c)
+            .map_err(|e| candle_core::Error::Msg(format!("random case {i} ({c}): {e}")))?;
     }
     println!("random_problems: {count} cases passed");
     Ok(())
@@ -147,10 +214,159 @@ fn unsupported_options_error_clearly() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     arch_under_test();
     let (q, k, v) = qkv(1, 8, 8, 2, 2, 64, DType::F32, false, &dev)?;
-    let e = flashcore::attention(&q, &k, &v, &AttnParams::default()).unwrap_err().to_string();
+    let e = flashcore::attention(&q, &k, &v, &AttnParams::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("no CUDA kernel for dtype F32"), "{e}");
     let (q, k, v) = qkv(1, 8, 8, 2, 2, 64, DType::BF16, false, &dev)?;
-    let e = flashcore::attention(&q, &k, &v, &AttnParams { softcap: Some(10.0), ..Default::default() }).unwrap_err().to_string();
-    assert!(e.contains("no CUDA kernel for softcap") && e.contains("sq=8"), "{e}");
+    let e = flashcore::attention(
+        &q,
+        &k,
+        &v,
+        &AttnParams {
+            softcap: Some(10.0),
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("no CUDA kernel for softcap") && e.contains("sq=8"),
+        "{e}"
+    );
+    Ok(())
+}
+
+/// A KV cache preallocated for `max_len` positions, narrowed to the first `sk` (no copy).
+fn cache_views(
+    dev: &Device,
+    b: usize,
+    sk: usize,
+    max_len: usize,
+    hkv: usize,
+    d: usize,
+    dtype: DType,
+) -> Result<(Tensor, Tensor)> {
+    let k = Tensor::randn(0f32, 1., (b, max_len, hkv, d), dev)?.to_dtype(dtype)?;
+    let v = Tensor::randn(0f32, 1., (b, max_len, hkv, d), dev)?.to_dtype(dtype)?;
+    Ok((k.narrow(1, 0, sk)?, v.narrow(1, 0, sk)?))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_decode(
+    dev: &Device,
+    b: usize,
+    sq: usize,
+    sk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    dtype: DType,
+    mask: Mask,
+) -> Result<()> {
+    let q = Tensor::randn(0f32, 1., (b, sq, hq, d), dev)?.to_dtype(dtype)?;
+    let (k, v) = cache_views(dev, b, sk, sk + 37, hkv, d, dtype)?;
+    let p = AttnParams {
+        mask,
+        ..Default::default()
+    };
+    let what = format!(
+        "decode {dtype:?} b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d} {}",
+        mask_name(mask)
+    );
+    let (o, lse) = attention_with_lse(&q, &k, &v, &p)?;
+    let o = o.to_device(&Device::Cpu)?;
+    assert_eq!(non_finite(&o)?, 0, "{what}: non-finite output");
+    let (o_ref, lse_ref) = reference_f64(&q, &k, &v, &p)?;
+    let naive = attention_slow(&q, &k, &v, &p)?.to_device(&Device::Cpu)?;
+    let err = max_abs_diff(&o, &o_ref)?;
+    let naive_err = max_abs_diff(&naive, &o_ref)?;
+    let floor = rounding_floor(dtype, max_abs(&o_ref)?);
+    assert!(
+        err <= 2.0 * naive_err + floor,
+        "{what}: fused error {err:.3e} > 2 x naive {naive_err:.3e} + floor {floor:.1e}"
+    );
+    let lerr = lse_err(&lse.to_device(&Device::Cpu)?, &lse_ref)?;
+    assert!(lerr <= 2e-3, "{what}: lse error {lerr:.3e}");
+    Ok(())
+}
+
+#[test]
+fn decode_sweep() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let mut n = 0;
+    for dtype in [DType::BF16, DType::F16] {
+        for sq in [1, 2, 4, 16] {
+            for sk in [1, 17, 4096, 65537] {
+                for (hq, hkv) in [(32, 8), (32, 32), (8, 1)] {
+                    let mask = if (sq + sk + hkv) % 2 == 0 {
+                        Mask::Causal
+                    } else {
+                        Mask::None
+                    };
+                    check_decode(&dev, 1 + (n % 2), sq, sk, hq, hkv, 128, dtype, mask)?;
+                    n += 1;
+                }
+            }
+        }
+    }
+    for d in [64, 256] {
+        check_decode(&dev, 2, 4, 5000, 32, 8, d, DType::BF16, Mask::Causal)?;
+        check_decode(&dev, 1, 1, 3000, 8, 1, d, DType::F16, Mask::None)?;
+    }
+    println!("decode_sweep: {} cases passed", n + 4);
+    Ok(())
+}
+
+#[test]
+fn decode_random() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let count: usize = std::env::var("FLASHCORE_RANDOM_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100);
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    println!("decode_random: {count} cases, seed {seed}");
+    let mut next = |n: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % n as u64) as usize
+    };
+    for _ in 0..count {
+        let hkv = [1, 2, 8][next(3)];
+        let hq = hkv * [1, 4, 8][next(3)];
+        let mask = [
+            Mask::None,
+            Mask::Causal,
+            Mask::Window {
+                left: Some(next(2000)),
+                right: Some(next(4)),
+            },
+        ][next(3)];
+        let sk = if next(4) == 0 {
+            1 + next(40)
+        } else {
+            1 + next(9000)
+        };
+        check_decode(
+            &dev,
+            1 + next(4),
+            1 + next(16),
+            sk,
+            hq,
+            hkv,
+            [64, 128, 256][next(3)],
+            [DType::BF16, DType::F16][next(2)],
+            mask,
+        )?;
+    }
+    println!("decode_random: {count} cases passed");
     Ok(())
 }

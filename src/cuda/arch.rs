@@ -49,7 +49,9 @@ fn forced() -> candle_core::Result<Option<Arch>> {
     }
     match std::env::var("FLASHCORE_ARCH") {
         Ok(s) if !s.is_empty() => Arch::parse(&s).map(Some).ok_or_else(|| {
-            candle_core::Error::Msg(format!("flashcore: FLASHCORE_ARCH must be sm80 or sm90, got {s:?}"))
+            candle_core::Error::Msg(format!(
+                "flashcore: FLASHCORE_ARCH must be sm80 or sm90, got {s:?}"
+            ))
         }),
         _ => Ok(None),
     }

@@ -39,8 +39,17 @@ pub(crate) fn function(
     let mut fns = functions().lock().unwrap_or_else(|e| e.into_inner());
     if let Some((f, limit)) = fns.get_mut(&fkey) {
         if *limit < smem {
-            f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-                .map_err(|e| err(symbol, shape, format!("setting {smem} B of dynamic shared memory: {e}")))?;
+            f.set_attribute(
+                Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| {
+                err(
+                    symbol,
+                    shape,
+                    format!("setting {smem} B of dynamic shared memory: {e}"),
+                )
+            })?;
             *limit = smem;
         }
         return Ok(f.clone());
@@ -51,8 +60,13 @@ pub(crate) fn function(
         match mods.get(&mkey) {
             Some(m) => m.clone(),
             None => {
-                let image = variants::fatbin(family)
-                    .ok_or_else(|| err(symbol, shape, format!("no fatbin for kernel family {family}")))?;
+                let image = variants::fatbin(family).ok_or_else(|| {
+                    err(
+                        symbol,
+                        shape,
+                        format!("no fatbin for kernel family {family}"),
+                    )
+                })?;
                 let m = ctx
                     .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))
                     .map_err(|e| err(symbol, shape, format!("loading the {family} fatbin: {e}")))?;
@@ -61,12 +75,42 @@ pub(crate) fn function(
             }
         }
     };
-    let f = module
-        .load_function(symbol)
-        .map_err(|e| err(symbol, shape, format!("function not found in the {family} fatbin: {e}")))?;
+    let f = module.load_function(symbol).map_err(|e| {
+        err(
+            symbol,
+            shape,
+            format!("function not found in the {family} fatbin: {e}"),
+        )
+    })?;
     if smem > 48 * 1024 {
-        f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .map_err(|e| err(symbol, shape, format!("setting {smem} B of dynamic shared memory: {e}")))?;
+        use cudarc::driver::sys::CUdevice_attribute as DevAttr;
+        let optin = ctx
+            .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| {
+                err(
+                    symbol,
+                    shape,
+                    format!("reading the shared memory limit: {e}"),
+                )
+            })?;
+        if smem as i64 > optin as i64 {
+            return Err(err(
+                symbol,
+                shape,
+                format!("needs {smem} B of shared memory per block; this GPU allows {optin} B (no smaller tile is compiled for this head_dim yet)"),
+            ));
+        }
+        f.set_attribute(
+            Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| {
+            err(
+                symbol,
+                shape,
+                format!("setting {smem} B of dynamic shared memory: {e}"),
+            )
+        })?;
     }
     fns.insert(fkey, (f.clone(), smem.max(48 * 1024)));
     Ok(f)
@@ -87,14 +131,27 @@ pub(crate) fn launch_params(
     // SAFETY: the kernel's signature is `(const FcParams)`; every pointer in `params` refers to a
     // live allocation of the sizes the kernel reads or writes (checked by the caller).
     unsafe { b.launch(cfg) }.map_err(|e| {
-        err(kernel, shape, format!("launch failed (grid {:?}, block {:?}, smem {} B): {e}", cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes))
+        err(
+            kernel,
+            shape,
+            format!(
+                "launch failed (grid {:?}, block {:?}, smem {} B): {e}",
+                cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes
+            ),
+        )
     })?;
     check_sync(stream, kernel, shape)
 }
 
-pub(crate) fn check_sync(stream: &Arc<CudaStream>, kernel: &str, shape: &str) -> candle_core::Result<()> {
+pub(crate) fn check_sync(
+    stream: &Arc<CudaStream>,
+    kernel: &str,
+    shape: &str,
+) -> candle_core::Result<()> {
     if std::env::var_os("FLASHCORE_SYNC").is_some_and(|v| v != "0") {
-        stream.synchronize().map_err(|e| err(kernel, shape, format!("failed while running: {e}")))?;
+        stream
+            .synchronize()
+            .map_err(|e| err(kernel, shape, format!("failed while running: {e}")))?;
     }
     Ok(())
 }
@@ -108,10 +165,18 @@ pub(crate) fn fill(
     word_bytes: usize,
     value: u32,
 ) -> candle_core::Result<()> {
-    let (sym, shape) = if word_bytes == 2 { ("fc_fill_u16", format!("n={n} u16")) } else { ("fc_fill_u32", format!("n={n} u32")) };
+    let (sym, shape) = if word_bytes == 2 {
+        ("fc_fill_u16", format!("n={n} u16"))
+    } else {
+        ("fc_fill_u32", format!("n={n} u32"))
+    };
     let f = function(stream, "sm80", sym, 0, &shape)?;
     let blocks = n.div_ceil(256).clamp(1, 4096) as u32;
-    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let n64 = n as u64;
     let mut b = stream.launch_builder(&f);
     b.arg(&ptr).arg(&n64);

@@ -9,9 +9,9 @@ pub mod variants;
 pub use arch::{set_arch_override, Arch};
 
 use crate::params::{Mask, Problem};
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::{DType, Layout, Result, Tensor};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 use half::{bf16, f16};
 use params::FcParams;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,13 +34,19 @@ fn poison_on() -> bool {
 pub fn poison(t: &Tensor) -> Result<()> {
     let (s, l) = t.storage_and_layout();
     let candle_core::Storage::Cuda(s) = &*s else {
-        candle_core::bail!("flashcore: poison: tensor must be on a CUDA device, got {:?}", t.device().location())
+        candle_core::bail!(
+            "flashcore: poison: tensor must be on a CUDA device, got {:?}",
+            t.device().location()
+        )
     };
     let stream = s.device.cuda_stream();
     let n = l.shape().elem_count();
     let off = l.start_offset();
     if !l.is_contiguous() {
-        candle_core::bail!("flashcore: poison: tensor must be contiguous, got strides {:?}", l.stride());
+        candle_core::bail!(
+            "flashcore: poison: tensor must be contiguous, got strides {:?}",
+            l.stride()
+        );
     }
     match t.dtype() {
         DType::BF16 => {
@@ -64,12 +70,20 @@ pub fn compute_capability(dev: &CudaDevice) -> Result<(i32, i32)> {
     dev.cuda_stream()
         .context()
         .compute_capability()
-        .map_err(|e| candle_core::Error::Msg(format!("flashcore: reading the compute capability: {e}")))
+        .map_err(|e| {
+            candle_core::Error::Msg(format!("flashcore: reading the compute capability: {e}"))
+        })
 }
 
 /// Which kernel family and variant a problem runs on `dev`: the dispatcher's decision, exposed for
 /// the benchmark and tests.
-pub fn describe(dev: &CudaDevice, p: &crate::AttnParams, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<String> {
+pub fn describe(
+    dev: &CudaDevice,
+    p: &crate::AttnParams,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<String> {
     let prob = crate::params::validate(q, k, v, p)?;
     let (major, minor) = compute_capability(dev)?;
     let v = choose(&prob, arch::select(major, minor)?)?;
@@ -103,7 +117,11 @@ fn choose(p: &Problem, arch: Arch) -> Result<&'static Variant> {
     let dtype = match p.dtype {
         DType::BF16 => KDType::Bf16,
         DType::F16 => KDType::F16,
-        dt => return Err(unsupported(format!("dtype {dt:?} (the GPU kernels take f16 and bf16)"))),
+        dt => {
+            return Err(unsupported(format!(
+                "dtype {dt:?} (the GPU kernels take f16 and bf16)"
+            )))
+        }
     };
     if p.softcap.is_some() {
         return Err(unsupported("softcap".into()));
@@ -111,6 +129,11 @@ fn choose(p: &Problem, arch: Arch) -> Result<&'static Variant> {
     let mask = kmask(p.mask);
     let d = p.d as u32;
     let mut candidates: Vec<(&str, KKind)> = Vec::new();
+    // Few query rows against a key range: split-KV decode (memory bound; the sm80 family's
+    // mma.sync kernel serves every arch).
+    if p.sq <= variants::DECODE_MAX_SQ as usize {
+        candidates.push(("sm80", KKind::Decode));
+    }
     if arch == Arch::Sm90 {
         candidates.push(("sm90", KKind::Fwd));
     }
@@ -119,14 +142,20 @@ fn choose(p: &Problem, arch: Arch) -> Result<&'static Variant> {
     for (family, kind) in candidates {
         match variants::find(family, kind, dtype, d, mask) {
             Some(v) if variants::is_compiled(v) => return Ok(v),
-            Some(v) => missing.push(format!("{} (not compiled in this build: FLASHCORE_VARIANTS)", v.symbol())),
+            Some(v) => missing.push(format!(
+                "{} (not compiled in this build: FLASHCORE_VARIANTS)",
+                v.symbol()
+            )),
             None => {}
         }
     }
     if !missing.is_empty() {
         return Err(unsupported(missing.join(", ")));
     }
-    Err(unsupported(format!("{dtype:?} head_dim {d} with mask {:?}", p.mask)))
+    Err(unsupported(format!(
+        "{dtype:?} head_dim {d} with mask {:?}",
+        p.mask
+    )))
 }
 
 fn ptr<T: candle_core::cuda_backend::CudaDType>(
@@ -136,7 +165,10 @@ fn ptr<T: candle_core::cuda_backend::CudaDType>(
 ) -> Result<(u64, usize)> {
     let slice: &CudaSlice<T> = s.as_cuda_slice::<T>()?;
     let (p, _guard) = slice.device_ptr(stream);
-    Ok((p + (l.start_offset() * std::mem::size_of::<T>()) as u64, slice.len() - l.start_offset()))
+    Ok((
+        p + (l.start_offset() * std::mem::size_of::<T>()) as u64,
+        slice.len() - l.start_offset(),
+    ))
 }
 
 fn alloc_out<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr>(
@@ -145,8 +177,118 @@ fn alloc_out<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     shape: &str,
 ) -> Result<CudaSlice<T>> {
     // SAFETY: every element is written by the kernel (tests check it with poisoned buffers).
-    unsafe { dev.cuda_stream().alloc::<T>(n) }
-        .map_err(|e| launch::err("alloc", shape, format!("allocating {n} output elements: {e}")))
+    unsafe { dev.cuda_stream().alloc::<T>(n) }.map_err(|e| {
+        launch::err(
+            "alloc",
+            shape,
+            format!("allocating {n} output elements: {e}"),
+        )
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+/// Number of key-range splits for the decode kernels: about one CTA per SM, each split at
+/// least 256 keys, at most 128 splits; the smallest count within 5% of the best wave efficiency.
+pub fn decode_num_splits(
+    b: usize,
+    hkv: usize,
+    hq: usize,
+    sq: usize,
+    sk: usize,
+    sm_count: usize,
+    block_m: usize,
+    block_n: usize,
+) -> usize {
+    const MIN_KEYS: usize = 256;
+    const MAX_SPLITS: usize = 128;
+    let rows = (hq / hkv) * sq;
+    let base = b * hkv * rows.div_ceil(block_m);
+    let slots = sm_count.max(1);
+    let n_tiles = sk.div_ceil(block_n);
+    let max_splits = (sk / MIN_KEYS).min(MAX_SPLITS).min(n_tiles);
+    if max_splits <= 1 || base * 5 >= slots * 4 {
+        return 1;
+    }
+    let eff = |s: usize| {
+        let ctas = base * s;
+        ctas as f64 / (ctas.div_ceil(slots) * slots) as f64
+    };
+    let best = (1..=max_splits).map(eff).fold(0.0, f64::max);
+    let pick = (1..=max_splits)
+        .find(|&s| eff(s) >= 0.95 * best)
+        .unwrap_or(1);
+    // Even tile split: drop splits that would get no tile.
+    let per = n_tiles.div_ceil(pick);
+    n_tiles.div_ceil(per)
+}
+
+/// Split-KV decode: the split kernel writes O/LSE directly (one split) or f32 partials that the
+/// combine kernel merges by their LSE.
+fn decode(
+    dev: &CudaDevice,
+    p: &Problem,
+    variant: &Variant,
+    mut prm: FcParams,
+    f: &cudarc::driver::CudaFunction,
+    shape: &str,
+) -> Result<()> {
+    use cudarc::driver::sys::CUdevice_attribute as DevAttr;
+    let symbol = variant.symbol();
+    let stream = dev.cuda_stream();
+    let sms = stream
+        .context()
+        .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| launch::err(&symbol, shape, format!("reading the SM count: {e}")))?
+        as usize;
+    let (bm, bn) = (variant.block_m as usize, variant.block_n as usize);
+    let splits = decode_num_splits(p.b, p.hkv, p.hq, p.sq, p.sk, sms, bm, bn);
+    let row_blocks = (p.h_ratio() * p.sq).div_ceil(bm);
+    let ctas = row_blocks * splits * p.b * p.hkv;
+    if ctas > i32::MAX as usize {
+        return Err(launch::err(
+            &symbol,
+            shape,
+            format!("grid of {ctas} blocks is too large"),
+        ));
+    }
+    prm.num_splits = splits as i32;
+    let cfg = LaunchConfig {
+        grid_dim: (ctas as u32, 1, 1),
+        block_dim: (variant.threads(), 1, 1),
+        shared_mem_bytes: variant.smem_bytes(),
+    };
+    if splits == 1 {
+        return launch::launch_params(&stream, f, cfg, &prm, &symbol, shape);
+    }
+    let n_lse = splits * p.b * p.hq * p.sq;
+    let o_part: CudaSlice<f32> = alloc_out(dev, n_lse * p.d, shape)?;
+    let l_part: CudaSlice<f32> = alloc_out(dev, n_lse, shape)?;
+    let (opp, _g1) = o_part.device_ptr(&stream);
+    let (lpp, _g2) = l_part.device_ptr(&stream);
+    if poison_on() {
+        launch::fill(&stream, opp, n_lse * p.d, 4, 0x7FC0_0000)?;
+        launch::fill(&stream, lpp, n_lse, 4, 0x7FC0_0000)?;
+    }
+    prm.o_partial = opp;
+    prm.lse_partial = lpp;
+    launch::launch_params(&stream, f, cfg, &prm, &symbol, shape)?;
+    let dtype = variant.dtype;
+    let csym = variants::combine_symbol(variant.family, dtype, variant.head_dim);
+    let cf = launch::function(&stream, variant.family, &csym, 0, shape)?;
+    let rows = p.b * p.hq * p.sq;
+    let ccfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch::launch_params(
+        &stream,
+        &cf,
+        ccfg,
+        &prm,
+        &csym,
+        &format!("{shape} splits={splits}"),
+    )
 }
 
 /// Runs the forward on CUDA storages; returns (O, LSE).
@@ -182,7 +324,9 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     let stream = dev.cuda_stream();
     for (name, l) in [("q", q.1), ("k", k.1), ("v", v.1)] {
         // The kernels load 16-byte vectors: op::run makes misaligned views contiguous first.
-        if l.start_offset() % 8 != 0 || l.stride()[..3].iter().any(|s| s % 8 != 0) {
+        if !l.start_offset().is_multiple_of(8)
+            || l.stride()[..3].iter().any(|s| !s.is_multiple_of(8))
+        {
             return Err(launch::err(
                 &symbol,
                 &shape,
@@ -211,7 +355,10 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
                 candle_core::bail!("flashcore: alibi_slopes: must be on the CUDA device of q")
             };
             if !l.is_contiguous() {
-                candle_core::bail!("flashcore: alibi_slopes: must be contiguous, got strides {:?}", l.stride())
+                candle_core::bail!(
+                    "flashcore: alibi_slopes: must be contiguous, got strides {:?}",
+                    l.stride()
+                )
             }
             ptr::<f32>(s, l, &stream)?.0
         }
@@ -262,16 +409,25 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     };
     let smem = variant.smem_bytes();
     let f = launch::function(&stream, variant.family, &symbol, smem, &shape)?;
-    let m_blocks = p.sq.div_ceil(variant.block_m as usize);
-    if p.hq > 65535 || p.b > 65535 {
-        return Err(launch::err(&symbol, &shape, "heads_q and batch must each be <= 65535"));
+    match variant.kind {
+        KKind::Fwd => {
+            let m_blocks = p.sq.div_ceil(variant.block_m as usize);
+            if p.hq > 65535 || p.b > 65535 {
+                return Err(launch::err(
+                    &symbol,
+                    &shape,
+                    "heads_q and batch must each be <= 65535",
+                ));
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (m_blocks as u32, p.hq as u32, p.b as u32),
+                block_dim: (variant.threads(), 1, 1),
+                shared_mem_bytes: smem,
+            };
+            launch::launch_params(&stream, &f, cfg, &prm, &symbol, &shape)?;
+        }
+        KKind::Decode => decode(dev, p, variant, prm, &f, &shape)?,
     }
-    let cfg = LaunchConfig {
-        grid_dim: (m_blocks as u32, p.hq as u32, p.b as u32),
-        block_dim: (variant.threads(), 1, 1),
-        shared_mem_bytes: smem,
-    };
-    launch::launch_params(&stream, &f, cfg, &prm, &symbol, &shape)?;
     drop((_og, _lg));
     Ok((
         CudaStorage::wrap_cuda_slice(o, dev.clone()),

@@ -10,9 +10,19 @@ mod compiled {
 pub use compiled::{fatbin, COMPILED};
 
 /// The compiled variant of `family`/`kind` for this dtype, head dim and mask, if any.
-pub fn find(family: &str, kind: KKind, dtype: KDType, head_dim: u32, mask: KMask) -> Option<&'static Variant> {
+pub fn find(
+    family: &str,
+    kind: KKind,
+    dtype: KDType,
+    head_dim: u32,
+    mask: KMask,
+) -> Option<&'static Variant> {
     VARIANTS.iter().find(|v| {
-        v.family == family && v.kind == kind && v.dtype == dtype && v.head_dim == head_dim && v.mask == mask
+        v.family == family
+            && v.kind == kind
+            && v.dtype == dtype
+            && v.head_dim == head_dim
+            && v.mask == mask
     })
 }
 

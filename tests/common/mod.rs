@@ -19,7 +19,8 @@ pub fn qkv(
     strided: bool,
     dev: &Device,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let r = |shape: (usize, usize, usize, usize)| Tensor::randn(0f32, 1., shape, dev)?.to_dtype(dtype);
+    let r =
+        |shape: (usize, usize, usize, usize)| Tensor::randn(0f32, 1., shape, dev)?.to_dtype(dtype);
     if !strided {
         return Ok((r((b, sq, hq, d))?, r((b, sk, hkv, d))?, r((b, sk, hkv, d))?));
     }
@@ -38,7 +39,11 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
 }
 
 pub fn max_abs(a: &Tensor) -> Result<f64> {
-    a.to_dtype(DType::F64)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()
+    a.to_dtype(DType::F64)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f64>()
 }
 
 /// Count of non-finite elements.
@@ -70,7 +75,12 @@ pub fn lse_err(a: &Tensor, b: &Tensor) -> Result<f64> {
 
 /// An independent float64 reference built from candle ops on the CPU: returns (O, LSE) for the
 /// full problem. Inputs are copied to the CPU and upcast.
-pub fn reference_f64(q: &Tensor, k: &Tensor, v: &Tensor, p: &AttnParams) -> Result<(Tensor, Tensor)> {
+pub fn reference_f64(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    p: &AttnParams,
+) -> Result<(Tensor, Tensor)> {
     let cpu = Device::Cpu;
     let q = q.to_device(&cpu)?.to_dtype(DType::F64)?;
     let k = k.to_device(&cpu)?.to_dtype(DType::F64)?;
@@ -81,7 +91,10 @@ pub fn reference_f64(q: &Tensor, k: &Tensor, v: &Tensor, p: &AttnParams) -> Resu
     let q = q.transpose(1, 2)?.contiguous()?;
     let rep = |t: &Tensor| -> Result<Tensor> {
         let t = t.transpose(1, 2)?;
-        t.unsqueeze(2)?.broadcast_as((b, hkv, ratio, sk, d))?.reshape((b, hq, sk, d))?.contiguous()
+        t.unsqueeze(2)?
+            .broadcast_as((b, hkv, ratio, sk, d))?
+            .reshape((b, hq, sk, d))?
+            .contiguous()
     };
     let (k, v) = (rep(&k)?, rep(&v)?);
     let scale = p.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt()) as f64;
@@ -98,13 +111,17 @@ pub fn reference_f64(q: &Tensor, k: &Tensor, v: &Tensor, p: &AttnParams) -> Resu
         for j in 0..sk {
             let diag = i as i64 + sk as i64 - sq as i64;
             let jj = j as i64;
-            let ok = left.is_none_or(|l| jj >= diag - l as i64) && right.is_none_or(|r| jj <= diag + r as i64);
+            let ok = left.is_none_or(|l| jj >= diag - l as i64)
+                && right.is_none_or(|r| jj <= diag + r as i64);
             bias[i * sk + j] = if ok { 0.0 } else { f64::NEG_INFINITY };
             dist[i * sk + j] = (jj - diag).abs() as f64;
         }
     }
     if let Some(sl) = &p.alibi_slopes {
-        let sl = sl.to_device(&cpu)?.to_dtype(DType::F64)?.reshape((hq, 1, 1))?;
+        let sl = sl
+            .to_device(&cpu)?
+            .to_dtype(DType::F64)?
+            .reshape((hq, 1, 1))?;
         let dist = Tensor::from_vec(dist, (1, sq, sk), &cpu)?;
         s = s.broadcast_sub(&sl.broadcast_mul(&dist)?)?;
     }
@@ -114,7 +131,11 @@ pub fn reference_f64(q: &Tensor, k: &Tensor, v: &Tensor, p: &AttnParams) -> Resu
     let e = s.broadcast_sub(&m_safe)?.exp()?;
     let l = e.sum_keepdim(D::Minus1)?;
     let l_safe = l.clamp(1e-300, f64::INFINITY)?;
-    let o = e.broadcast_div(&l_safe)?.matmul(&v)?.transpose(1, 2)?.contiguous()?;
+    let o = e
+        .broadcast_div(&l_safe)?
+        .matmul(&v)?
+        .transpose(1, 2)?
+        .contiguous()?;
     let lse = (m_safe + l.log()?)?.squeeze(D::Minus1)?; // l = 0 gives -inf
     Ok((o, lse))
 }

@@ -1,0 +1,482 @@
+//! Where weights come from: the Hugging Face hub (through hf-hub's cache, so a cached repo loads
+//! offline), a local directory with the same files, a GGUF file (dequantized to the run dtype,
+//! tokenizer rebuilt from its metadata), or random weights at a published shape.
+//!
+//! Every source ends as Hugging Face tensor names in a `VarBuilder` and goes through the same
+//! [`Model::load`].
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use crate::json::Json;
+use crate::model::{AttnBackend, Config, Model};
+use crate::tokenizer::{gguf_int, TextTokenizer};
+
+#[derive(Clone, Debug)]
+pub enum Source {
+    Hub { repo: String, revision: String },
+    Dir(PathBuf),
+    Gguf(PathBuf),
+    Random { preset: String },
+}
+
+pub struct Loaded {
+    pub model: Model,
+    /// `None` for random weights (prompts are then synthetic token ids).
+    pub tokenizer: Option<TextTokenizer>,
+    pub description: String,
+}
+
+/// The files of a Hugging Face-layout checkpoint.
+#[derive(Debug)]
+pub struct ModelFiles {
+    pub config: PathBuf,
+    pub tokenizer: Option<PathBuf>,
+    pub tokenizer_config: Option<PathBuf>,
+    pub weights: Vec<PathBuf>,
+}
+
+const INDEX: &str = "model.safetensors.index.json";
+const SINGLE: &str = "model.safetensors";
+
+/// The shard files named in a `model.safetensors.index.json`, sorted, each once.
+fn shard_names(index: &Path) -> Result<Vec<String>> {
+    let j = Json::from_file(index)?;
+    let map = j
+        .get("weight_map")
+        .and_then(Json::as_object)
+        .context("index: missing `weight_map`")?;
+    let mut names = map
+        .values()
+        .map(|v| {
+            v.as_str()
+                .map(str::to_string)
+                .context("index: weight_map values must be file names")
+        })
+        .collect::<Result<Vec<_>>>()?;
+    names.sort();
+    names.dedup();
+    Ok(names)
+}
+
+pub fn dir_files(dir: &Path) -> Result<ModelFiles> {
+    let existing = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
+    let config =
+        existing("config.json").with_context(|| format!("{}: no config.json", dir.display()))?;
+    let weights = if let Some(index) = existing(INDEX) {
+        shard_names(&index)?.iter().map(|n| dir.join(n)).collect()
+    } else if let Some(single) = existing(SINGLE) {
+        vec![single]
+    } else {
+        bail!("{}: neither {INDEX} nor {SINGLE}", dir.display())
+    };
+    Ok(ModelFiles {
+        config,
+        tokenizer: existing("tokenizer.json"),
+        tokenizer_config: existing("tokenizer_config.json"),
+        weights,
+    })
+}
+
+/// Resolves the files of `repo` at `revision` through hf-hub: from its cache ($HF_HOME/hub or
+/// ~/.cache/huggingface/hub) when present, else downloaded into it. With `HF_HUB_OFFLINE=1` only
+/// the cache is used.
+pub fn hub_files(repo_id: &str, revision: &str) -> Result<ModelFiles> {
+    let offline = std::env::var("HF_HUB_OFFLINE")
+        .map(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+        .unwrap_or(false);
+    hub_files_in(hf_hub::Cache::from_env(), offline, repo_id, revision)
+}
+
+/// [`hub_files`] with an explicit cache directory.
+pub fn hub_files_in(
+    cache: hf_hub::Cache,
+    offline: bool,
+    repo_id: &str,
+    revision: &str,
+) -> Result<ModelFiles> {
+    use hf_hub::{api::sync::ApiBuilder, Repo, RepoType};
+    let repo = Repo::with_revision(repo_id.to_string(), RepoType::Model, revision.to_string());
+    let cached = cache.repo(repo.clone());
+    let api = if offline {
+        None
+    } else {
+        let mut builder = ApiBuilder::from_cache(cache).with_progress(true);
+        if let Ok(endpoint) = std::env::var("HF_ENDPOINT") {
+            builder = builder.with_endpoint(endpoint);
+        }
+        Some(builder.build()?.repo(repo))
+    };
+    let fetch = |name: &str| -> Result<PathBuf> {
+        if let Some(p) = cached.get(name) {
+            return Ok(p);
+        }
+        match &api {
+            Some(api) => {
+                eprintln!("fetching {repo_id}@{revision}/{name}");
+                api.get(name)
+                    .with_context(|| format!("{repo_id}@{revision}: cannot get {name}"))
+            }
+            None => bail!(
+                "{repo_id}@{revision}/{name} is not in the hf-hub cache and HF_HUB_OFFLINE is set"
+            ),
+        }
+    };
+    let config = fetch("config.json")?;
+    let tokenizer = Some(fetch("tokenizer.json")?);
+    let tokenizer_config = fetch("tokenizer_config.json").ok();
+    // Prefer what the cache already has, so an offline run never probes the network.
+    let index = match (cached.get(INDEX), cached.get(SINGLE)) {
+        (Some(p), _) => Some(p),
+        (None, Some(_)) => None,
+        (None, None) => fetch(INDEX).ok(),
+    };
+    let weights = match index {
+        Some(index) => {
+            let names = shard_names(&index)?;
+            let n = names.len();
+            names
+                .iter()
+                .enumerate()
+                .map(|(i, name)| {
+                    eprintln!("shard {}/{n}: {name}", i + 1);
+                    fetch(name)
+                })
+                .collect::<Result<Vec<_>>>()?
+        }
+        None => vec![fetch(SINGLE)?],
+    };
+    Ok(ModelFiles {
+        config,
+        tokenizer,
+        tokenizer_config,
+        weights,
+    })
+}
+
+/// Loads a Hugging Face-layout checkpoint (config.json + safetensors + tokenizer files).
+pub fn load_files(
+    files: &ModelFiles,
+    dtype: DType,
+    device: &Device,
+    attn: AttnBackend,
+) -> Result<(Model, Option<TextTokenizer>)> {
+    let cfg = Config::from_hf_json(&Json::from_file(&files.config)?)?;
+    let tokenizer = match &files.tokenizer {
+        Some(t) => Some(TextTokenizer::from_hf_files(
+            t,
+            files.tokenizer_config.as_deref(),
+            &cfg.eos_token_ids,
+        )?),
+        None => None,
+    };
+    for (i, w) in files.weights.iter().enumerate() {
+        let size = std::fs::metadata(w).map(|m| m.len()).unwrap_or(0);
+        eprintln!(
+            "weights {}/{}: {} ({:.1} MiB)",
+            i + 1,
+            files.weights.len(),
+            w.display(),
+            size as f64 / (1 << 20) as f64
+        );
+    }
+    // SAFETY: the files are memory-mapped read-only; they must not change while loading.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device)? };
+    let model = Model::load(vb, &cfg, cfg.max_position_embeddings, attn)?;
+    Ok((model, tokenizer))
+}
+
+pub fn load(
+    source: &Source,
+    tokenizer_override: Option<&Path>,
+    dtype: DType,
+    device: &Device,
+    attn: AttnBackend,
+) -> Result<Loaded> {
+    let (model, tokenizer, description) = match source {
+        Source::Hub { repo, revision } => {
+            let files = hub_files(repo, revision)?;
+            let (m, t) = load_files(&files, dtype, device, attn)?;
+            (m, t, format!("{repo}@{revision}"))
+        }
+        Source::Dir(dir) => {
+            let files = dir_files(dir)?;
+            let (m, t) = load_files(&files, dtype, device, attn)?;
+            (m, t, dir.display().to_string())
+        }
+        Source::Gguf(path) => {
+            let (m, t) = load_gguf(path, dtype, device, attn)?;
+            let t = match (t, tokenizer_override) {
+                (Ok(t), _) => Some(t),
+                // An unsupported embedded tokenizer is fine when --tokenizer replaces it.
+                (Err(e), Some(_)) => {
+                    eprintln!("gguf: embedded tokenizer not used: {e:#}");
+                    None
+                }
+                (Err(e), None) => return Err(e),
+            };
+            (m, t, path.display().to_string())
+        }
+        Source::Random { preset } => {
+            let cfg = Config::preset(preset)?;
+            (
+                random_model(&cfg, dtype, device, attn)?,
+                None,
+                format!("random weights, preset {preset}"),
+            )
+        }
+    };
+    let tokenizer = match tokenizer_override {
+        Some(path) => {
+            let cfg = model.config();
+            let mut t = TextTokenizer::from_hf_files(path, None, &cfg.eos_token_ids)?;
+            // Keep the source's chat format and stop tokens when the override has none.
+            if let Some(orig) = tokenizer {
+                t.chat = t.chat.or(orig.chat);
+                t.eos_ids.extend(orig.eos_ids);
+                t.eos_ids.sort_unstable();
+                t.eos_ids.dedup();
+            }
+            Some(t)
+        }
+        None => tokenizer,
+    };
+    Ok(Loaded {
+        model,
+        tokenizer,
+        description,
+    })
+}
+
+/// Random weights (normal, std 0.02; norms at 1) created directly on `device`.
+pub fn random_model(
+    cfg: &Config,
+    dtype: DType,
+    device: &Device,
+    attn: AttnBackend,
+) -> Result<Model> {
+    cfg.validate()?;
+    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (q, kv) = (
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_key_value_heads * cfg.head_dim,
+    );
+    let randn = |shape: (usize, usize)| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 0.02, shape, device)?.to_dtype(dtype)?)
+    };
+    let ones = || -> Result<Tensor> { Ok(Tensor::ones(h, dtype, device)?) };
+    let mut ts: HashMap<String, Tensor> = HashMap::new();
+    eprintln!(
+        "creating {:.2}B random parameters ({:?}) on {:?}",
+        cfg.num_params() as f64 * 1e-9,
+        dtype,
+        device.location()
+    );
+    ts.insert("model.embed_tokens.weight".into(), randn((v, h))?);
+    if !cfg.tie_word_embeddings {
+        ts.insert("lm_head.weight".into(), randn((v, h))?);
+    }
+    ts.insert("model.norm.weight".into(), ones()?);
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        for (name, shape) in [
+            ("self_attn.q_proj", (q, h)),
+            ("self_attn.k_proj", (kv, h)),
+            ("self_attn.v_proj", (kv, h)),
+            ("self_attn.o_proj", (h, q)),
+            ("mlp.gate_proj", (i, h)),
+            ("mlp.up_proj", (i, h)),
+            ("mlp.down_proj", (h, i)),
+        ] {
+            ts.insert(format!("{p}.{name}.weight"), randn(shape)?);
+        }
+        ts.insert(format!("{p}.input_layernorm.weight"), ones()?);
+        ts.insert(format!("{p}.post_attention_layernorm.weight"), ones()?);
+    }
+    let vb = VarBuilder::from_tensors(ts, dtype, device);
+    Model::load(vb, cfg, cfg.max_position_embeddings, attn)
+}
+
+/// The model config stored in GGUF metadata under the architecture's prefix (`llama.*`).
+fn gguf_config(content: &gguf_file::Content, arch: &str) -> Result<Config> {
+    let md = &content.metadata;
+    let int = |k: &str| {
+        md.get(&format!("{arch}.{k}"))
+            .and_then(gguf_int)
+            .map(|x| x as usize)
+    };
+    let float = |k: &str| {
+        md.get(&format!("{arch}.{k}")).and_then(|v| match v {
+            gguf_file::Value::F32(x) => Some(*x as f64),
+            gguf_file::Value::F64(x) => Some(*x),
+            _ => None,
+        })
+    };
+    let req = |k: &str| int(k).with_context(|| format!("gguf: missing `{arch}.{k}`"));
+    let hidden_size = req("embedding_length")?;
+    let num_attention_heads = req("attention.head_count")?;
+    let embd = content
+        .tensor_infos
+        .get("token_embd.weight")
+        .context("gguf: no token_embd.weight")?;
+    let id = |k: &str| md.get(k).and_then(gguf_int).map(|x| x as u32);
+    Ok(Config {
+        hidden_size,
+        intermediate_size: req("feed_forward_length")?,
+        vocab_size: embd.shape.dims()[0],
+        num_hidden_layers: req("block_count")?,
+        num_attention_heads,
+        num_key_value_heads: int("attention.head_count_kv").unwrap_or(num_attention_heads),
+        head_dim: int("attention.key_length").unwrap_or(hidden_size / num_attention_heads),
+        rms_norm_eps: float("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+        rope_theta: float("rope.freq_base").unwrap_or(10_000.0),
+        rope_scaling: None,
+        rope_freq_factors: None,
+        max_position_embeddings: int("context_length").unwrap_or(4096),
+        tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
+        bos_token_id: id("tokenizer.ggml.bos_token_id"),
+        eos_token_ids: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
+    })
+}
+
+/// llama.cpp's name for a tensor -> the Hugging Face name.
+fn hf_name(gguf: &str) -> Option<String> {
+    let fixed = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let (part, kind) = rest.rsplit_once('.')?; // kind: weight | bias
+    let hf = match part {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{kind}"))
+}
+
+/// Undoes llama.cpp's reordering of Q/K rows. Its converter stores each head's rows as
+/// interleaved pairs (for rotary on adjacent dimensions): GGUF row `2i + j` of a head is Hugging
+/// Face row `j * d/2 + i`. Splitting the rows into `(heads, d/2, 2)` and swapping the last two
+/// axes restores the half-split order that `model.rs` rotates.
+fn unpermute_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let dims = w.dims().to_vec();
+    let rows = dims[0];
+    let half = rows / heads / 2;
+    let mut split = vec![heads, half, 2];
+    split.extend_from_slice(&dims[1..]);
+    Ok(w.reshape(split)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)?)
+}
+
+/// Reads a llama-family GGUF file: weights dequantized on `device` and cast to `dtype`,
+/// tokenizer rebuilt from the metadata (an error there is returned beside the model, so that a
+/// `--tokenizer` file can stand in for an unsupported one).
+pub fn load_gguf(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    attn: AttnBackend,
+) -> Result<(Model, Result<TextTokenizer>)> {
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let content = gguf_file::Content::read(&mut file)
+        .with_context(|| format!("reading gguf header of {}", path.display()))?;
+    let arch = content
+        .metadata
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .unwrap_or_else(|| "llama".to_string());
+    // Only the llama converter permutes Q/K; Qwen2 keeps Hugging Face order.
+    let permuted = match arch.as_str() {
+        "llama" | "mistral" | "granite" => true,
+        "qwen2" => false,
+        other => {
+            bail!("gguf: architecture `{other}` is not supported (llama, mistral, granite, qwen2)")
+        }
+    };
+    let mut cfg = gguf_config(&content, &arch)?;
+    let tokenizer = TextTokenizer::from_gguf(&content);
+
+    if content.tensor_infos.contains_key("rope_freqs.weight") {
+        let f = content
+            .tensor(&mut file, "rope_freqs.weight", &Device::Cpu)?
+            .dequantize(&Device::Cpu)?;
+        cfg.rope_freq_factors = Some(f.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?);
+    }
+
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let total = names.len();
+    let mut tensors = HashMap::new();
+    let mut skipped = Vec::new();
+    for (n, name) in names.into_iter().enumerate() {
+        let Some(hf) = hf_name(name) else {
+            skipped.push(name.clone());
+            continue;
+        };
+        let q = content.tensor(&mut file, name, device)?;
+        let mut w = q.dequantize(device)?;
+        if permuted && hf.contains("self_attn.q_proj") {
+            w = unpermute_rows(&w, cfg.num_attention_heads)?;
+        } else if permuted && hf.contains("self_attn.k_proj") {
+            w = unpermute_rows(&w, cfg.num_key_value_heads)?;
+        }
+        tensors.insert(hf, w.to_dtype(dtype)?);
+        if (n + 1) % 64 == 0 || n + 1 == total {
+            eprintln!("gguf: {}/{total} tensors dequantized", n + 1);
+        }
+    }
+    if skipped.iter().any(|s| s != "rope_freqs.weight") {
+        eprintln!("gguf: ignored tensors: {skipped:?}");
+    }
+    let vb = VarBuilder::from_tensors(tensors, dtype, device);
+    let model = Model::load(vb, &cfg, cfg.max_position_embeddings, attn)?;
+    Ok((model, tokenizer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permutation() -> Result<()> {
+        // Two heads of dimension 4, 3 input features; row r holds r everywhere.
+        let (heads, d, cols) = (2usize, 4usize, 3usize);
+        let hf = Tensor::arange(0f32, (heads * d) as f32, &Device::Cpu)?
+            .unsqueeze(1)?
+            .broadcast_as((heads * d, cols))?
+            .contiguous()?;
+        // llama.cpp: reshape(heads, 2, d/2, cols).swapaxes(1, 2).
+        let gguf = hf
+            .reshape((heads, 2, d / 2, cols))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((heads * d, cols))?;
+        let rows: Vec<f32> = gguf.narrow(1, 0, 1)?.flatten_all()?.to_vec1()?;
+        assert_eq!(rows, [0., 2., 1., 3., 4., 6., 5., 7.]);
+        let back = unpermute_rows(&gguf, heads)?;
+        assert_eq!(back.to_vec2::<f32>()?, hf.to_vec2::<f32>()?);
+        Ok(())
+    }
+}

@@ -1,0 +1,530 @@
+//! LLaMA-family text generation with eager (candle ops) or flashcore attention.
+//!
+//! ```text
+//! # a hub checkpoint (hf-hub cache; offline once cached)
+//! cargo run --release --example llama -- --model HuggingFaceTB/SmolLM2-135M-Instruct --prompt "What is 2+2?"
+//! # a GGUF file, both backends side by side, on the CPU
+//! cargo run --release --example llama -- --gguf "$(scripts/fetch-smollm2.sh)" --cpu --compare
+//! # throughput at Llama 3 8B shapes, random weights, 4k-token synthetic prompt (CUDA build)
+//! cargo run --release --features cuda --example llama -- --random-weights --preset llama3-8b \
+//!     --prompt-len 4096 --max-new-tokens 128 --json
+//! ```
+//! Streaming text goes to stdout, progress and the report to stderr; with `--json` stdout holds
+//! exactly one JSON line.
+
+mod generate;
+mod json;
+mod load;
+mod model;
+mod tokenizer;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use clap::{Parser, ValueEnum};
+use std::io::Write;
+use std::path::PathBuf;
+
+use generate::{
+    common_prefix, generate, teacher_forced_agreement, warmup, GenStats, Generation, Sampler,
+};
+use json::quote;
+use load::Source;
+use model::{AttnBackend, KvCache, Model};
+use tokenizer::TextTokenizer;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Attn {
+    Eager,
+    Flashcore,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Dtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Preset {
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+    #[value(name = "llama3-1b")]
+    Llama3_1b,
+    #[value(name = "smollm2-135m")]
+    Smollm2_135m,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "LLaMA-family generation with eager or flashcore attention")]
+struct Args {
+    /// Hugging Face repo id (config.json, tokenizer.json, safetensors), through the hf-hub cache.
+    #[arg(long, group = "source")]
+    model: Option<String>,
+    /// Revision of --model.
+    #[arg(long, default_value = "main")]
+    revision: String,
+    /// Local directory with config.json, tokenizer.json and model.safetensors (or sharded + index).
+    #[arg(long, group = "source")]
+    model_dir: Option<PathBuf>,
+    /// A llama-family GGUF file; weights are dequantized to --dtype.
+    #[arg(long, group = "source")]
+    gguf: Option<PathBuf>,
+    /// Random weights at the shape of --preset, created on the device (synthetic token ids).
+    #[arg(long, group = "source", requires = "preset")]
+    random_weights: bool,
+    /// Shape for --random-weights.
+    #[arg(long, value_enum)]
+    preset: Option<Preset>,
+    /// A tokenizer.json to use instead of the source's.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+
+    /// Attention implementation.
+    #[arg(long, value_enum, default_value = "flashcore")]
+    attn: Attn,
+    /// Run eager and flashcore on the same prompt; print both outputs and how many tokens agree.
+    #[arg(long)]
+    compare: bool,
+    /// Teacher-forced top-1 agreement over N tokens of eager's greedy continuation (EOS
+    /// ignored), decoding and in one pass; takes precedence over --compare.
+    #[arg(long, value_name = "N")]
+    agreement: Option<usize>,
+
+    /// The user message (sent through the chat template when the tokenizer has one).
+    #[arg(long, default_value = "What is the capital of France?")]
+    prompt: String,
+    /// Use a synthetic prompt of exactly N tokens instead of --prompt.
+    #[arg(long, value_name = "N")]
+    prompt_len: Option<usize>,
+    /// Upper bound on generated tokens (generation also stops at an end-of-turn token).
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Keep generating after an end-of-sequence token (fixed-length throughput runs).
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Send --prompt as is, without the tokenizer's chat template.
+    #[arg(long)]
+    no_chat: bool,
+    /// System message for the chat template.
+    #[arg(long)]
+    system: Option<String>,
+
+    /// Run dtype (default: bf16 on CUDA, f32 on CPU).
+    #[arg(long, value_enum)]
+    dtype: Option<Dtype>,
+    /// Run on the CPU even when a GPU is available.
+    #[arg(long)]
+    cpu: bool,
+    /// Seed for sampling, synthetic prompts and (on CUDA) random weights.
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+    /// Sampling temperature; 0 (the default) is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Nucleus sampling threshold (with --temperature > 0).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// Print one machine-readable JSON line on stdout (and no streamed text).
+    #[arg(long)]
+    json: bool,
+}
+
+impl From<Attn> for AttnBackend {
+    fn from(a: Attn) -> AttnBackend {
+        match a {
+            Attn::Eager => AttnBackend::Eager,
+            Attn::Flashcore => AttnBackend::Flashcore,
+        }
+    }
+}
+
+/// A fixed English paragraph, repeated to build `--prompt-len` prompts when there is a tokenizer.
+const FILLER: &str =
+    "The history of the printing press begins in the fifteenth century, when movable \
+type made books cheaper to produce. Within a few decades, presses operated in hundreds of cities, \
+and the spread of pamphlets, maps and scientific tables changed how knowledge travelled. ";
+
+/// Exactly `n` prompt tokens: the filler text tokenized and repeated, or (without a tokenizer)
+/// pseudo-random ids from the upper part of the vocabulary.
+fn synthetic_prompt(
+    n: usize,
+    tok: Option<&TextTokenizer>,
+    vocab: usize,
+    seed: u64,
+) -> Result<Vec<u32>> {
+    if let Some(tok) = tok {
+        let mut ids = tok.encode("", true)?; // BOS when the tokenizer adds one
+        let filler = tok.encode(FILLER, false)?;
+        anyhow::ensure!(!filler.is_empty(), "filler text tokenized to nothing");
+        while ids.len() < n {
+            ids.extend_from_slice(&filler[..filler.len().min(n - ids.len())]);
+        }
+        ids.truncate(n);
+        return Ok(ids);
+    }
+    let lo = (vocab / 8) as u64;
+    let mut state = seed;
+    Ok((0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (lo + (state >> 33) % (vocab as u64 - lo)) as u32
+        })
+        .collect())
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F32 => "f32",
+        _ => "other",
+    }
+}
+
+fn device_name(d: &Device) -> String {
+    match d {
+        Device::Cpu => "cpu".into(),
+        other => format!("{:?}", other.location()).to_lowercase(),
+    }
+}
+
+fn fmt_mem(m: Option<usize>) -> String {
+    m.map(|b| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64))
+        .unwrap_or_else(|| "n/a".into())
+}
+
+fn stats_json(backend: AttnBackend, g: &Generation, text: Option<&str>) -> String {
+    let s = &g.stats;
+    let opt = |x: Option<f64>| {
+        x.map(|v| format!("{v:.3}"))
+            .unwrap_or_else(|| "null".into())
+    };
+    let mut out = format!(
+        "{{\"attn\":{},\"prompt_tokens\":{},\"generated_tokens\":{},\"ttft_ms\":{:.3},\"prefill_tok_s\":{:.3},\"decode_tok_s\":{},\"peak_mem_bytes\":{},\"hit_eos\":{},\"tokens\":{:?}",
+        quote(backend.name()),
+        s.prompt_tokens,
+        s.generated_tokens,
+        s.ttft.as_secs_f64() * 1e3,
+        s.prefill_tok_s(),
+        opt(s.decode_tok_s()),
+        s.peak_mem.map(|m| m.to_string()).unwrap_or_else(|| "null".into()),
+        s.hit_eos,
+        g.tokens,
+    );
+    if let Some(t) = text {
+        out += &format!(",\"text\":{}", quote(t));
+    }
+    out + "}"
+}
+
+fn report(backend: AttnBackend, s: &GenStats) {
+    eprintln!(
+        "[{}] prompt tokens      {}",
+        backend.name(),
+        s.prompt_tokens
+    );
+    eprintln!(
+        "[{}] generated tokens   {}{}",
+        backend.name(),
+        s.generated_tokens,
+        if s.hit_eos { " (stopped at EOS)" } else { "" }
+    );
+    eprintln!(
+        "[{}] time to 1st token  {:.1} ms",
+        backend.name(),
+        s.ttft.as_secs_f64() * 1e3
+    );
+    eprintln!(
+        "[{}] prefill            {:.1} tok/s",
+        backend.name(),
+        s.prefill_tok_s()
+    );
+    match s.decode_tok_s() {
+        Some(r) => eprintln!(
+            "[{}] decode             {:.2} tok/s (excluding the first token)",
+            backend.name(),
+            r
+        ),
+        None => eprintln!(
+            "[{}] decode             n/a (fewer than 2 tokens)",
+            backend.name()
+        ),
+    }
+    eprintln!(
+        "[{}] device memory      {} (max sampled after prefill and at the end)",
+        backend.name(),
+        fmt_mem(s.peak_mem)
+    );
+}
+
+struct Run<'a> {
+    model: &'a mut Model,
+    cache: KvCache,
+    tok: Option<&'a TextTokenizer>,
+    prompt: Vec<u32>,
+    eos: Vec<u32>,
+    args: &'a Args,
+}
+
+impl Run<'_> {
+    /// One generation with `backend`, streaming text to stdout unless `--json`.
+    fn generate(
+        &mut self,
+        backend: AttnBackend,
+        stream: bool,
+    ) -> Result<(Generation, Option<String>)> {
+        self.model.attn = backend;
+        if !self.cache.device().is_cpu() {
+            warmup(self.model, &mut self.cache, &self.prompt)?;
+        }
+        let mut sampler = if self.args.temperature > 0.0 {
+            Sampler::new(self.args.temperature, self.args.top_p, self.args.seed)
+        } else {
+            Sampler::greedy()
+        };
+        let mut decoder = self.tok.map(|t| t.inner.decode_stream(true));
+        let mut on_token = |id: u32| -> Result<()> {
+            if stream {
+                let mut out = std::io::stdout().lock();
+                match decoder.as_mut() {
+                    Some(d) => {
+                        if let Some(piece) = d.step(id).map_err(anyhow::Error::msg)? {
+                            write!(out, "{piece}")?;
+                        }
+                    }
+                    None => write!(out, "{id} ")?,
+                }
+                out.flush()?;
+            }
+            Ok(())
+        };
+        let g = generate(
+            self.model,
+            &mut self.cache,
+            &self.prompt,
+            self.args.max_new_tokens,
+            &self.eos,
+            &mut sampler,
+            &mut on_token,
+        )?;
+        if stream {
+            println!();
+        }
+        let text = match self.tok {
+            Some(t) => Some(t.decode(&g.tokens)?),
+            None => None,
+        };
+        Ok((g, text))
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let device = if args.cpu {
+        Device::Cpu
+    } else {
+        Device::cuda_if_available(0)?
+    };
+    let dtype = match args.dtype {
+        Some(Dtype::Bf16) => DType::BF16,
+        Some(Dtype::F16) => DType::F16,
+        Some(Dtype::F32) => DType::F32,
+        None if device.is_cpu() => DType::F32,
+        None => DType::BF16,
+    };
+    if !device.is_cpu() {
+        device.set_seed(args.seed)?; // candle's CPU generator cannot be seeded
+    }
+    let source = if let Some(repo) = &args.model {
+        Source::Hub {
+            repo: repo.clone(),
+            revision: args.revision.clone(),
+        }
+    } else if let Some(dir) = &args.model_dir {
+        Source::Dir(dir.clone())
+    } else if let Some(path) = &args.gguf {
+        Source::Gguf(path.clone())
+    } else if args.random_weights {
+        let preset = match args.preset {
+            Some(Preset::Llama3_8b) => "llama3-8b",
+            Some(Preset::Llama3_1b) => "llama3-1b",
+            Some(Preset::Smollm2_135m) | None => "smollm2-135m",
+        };
+        Source::Random {
+            preset: preset.to_string(),
+        }
+    } else {
+        bail!("choose a model: --model REPO_ID, --model-dir DIR, --gguf FILE or --random-weights --preset NAME")
+    };
+
+    let t0 = std::time::Instant::now();
+    let attn: AttnBackend = args.attn.into();
+    let loaded = load::load(&source, args.tokenizer.as_deref(), dtype, &device, attn)?;
+    let mut model = loaded.model;
+    let tok = loaded.tokenizer.as_ref();
+    let cfg = model.config().clone();
+    eprintln!(
+        "loaded {} in {:.1}s: {} layers, hidden {}, heads {}/{} (q/kv), head_dim {}, vocab {}, {:.0}M params; {} on {}",
+        loaded.description,
+        t0.elapsed().as_secs_f64(),
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+        cfg.num_params() as f64 * 1e-6,
+        dtype_name(dtype),
+        device_name(&device),
+    );
+
+    let prompt = match (args.prompt_len, tok) {
+        (Some(n), t) => synthetic_prompt(n, t, cfg.vocab_size, args.seed)?,
+        (None, Some(t)) => t.encode_prompt(&args.prompt, !args.no_chat, args.system.as_deref())?,
+        (None, None) => {
+            bail!("no tokenizer (random weights): use --prompt-len N for a synthetic prompt")
+        }
+    };
+    anyhow::ensure!(!prompt.is_empty(), "the prompt is empty");
+    let eos: Vec<u32> = if args.ignore_eos || tok.is_none() {
+        vec![]
+    } else {
+        tok.map(|t| t.eos_ids.clone()).unwrap_or_default()
+    };
+    let extra = args.max_new_tokens.max(args.agreement.unwrap_or(0));
+    let max_seq = prompt.len() + extra;
+    if max_seq > cfg.max_position_embeddings {
+        bail!(
+            "prompt ({}) + new tokens ({extra}) exceed the model's {} positions",
+            prompt.len(),
+            cfg.max_position_embeddings
+        )
+    }
+    let cache = KvCache::new(&cfg, 1, max_seq, dtype, &device)?;
+    eprintln!(
+        "prompt: {} tokens; kv cache: {} positions",
+        prompt.len(),
+        max_seq
+    );
+
+    let mut run = Run {
+        model: &mut model,
+        cache,
+        tok,
+        prompt,
+        eos,
+        args: &args,
+    };
+    let stream = !args.json;
+
+    if let Some(n) = args.agreement {
+        anyhow::ensure!(n > 0, "--agreement needs N > 0");
+        // Eager's greedy continuation, EOS ignored so that there are exactly N positions.
+        run.model.attn = AttnBackend::Eager;
+        let reference = generate(
+            run.model,
+            &mut run.cache,
+            &run.prompt,
+            n,
+            &[],
+            &mut Sampler::greedy(),
+            &mut |_| Ok(()),
+        )?;
+        let a =
+            teacher_forced_agreement(run.model, &mut run.cache, &run.prompt, &reference.tokens)?;
+        let frac = |k: usize| k as f64 / a.positions as f64;
+        if args.json {
+            println!(
+                "{{\"mode\":\"agreement\",\"model\":{},\"dtype\":\"{}\",\"device\":{},\"prompt_tokens\":{},\"positions\":{},\"decode_agree\":{:.6},\"prefill_agree\":{:.6},\"max_abs_logit_diff\":{}}}",
+                quote(&loaded.description),
+                dtype_name(dtype),
+                quote(&device_name(&device)),
+                run.prompt.len(),
+                a.positions,
+                frac(a.decode_agree),
+                frac(a.prefill_agree),
+                a.max_abs_logit_diff,
+            );
+        } else {
+            if let Some(t) = tok {
+                println!(
+                    "continuation (eager, greedy): {:?}",
+                    t.decode(&reference.tokens)?
+                );
+            }
+            println!(
+                "teacher-forced top-1 agreement over {} positions:",
+                a.positions
+            );
+            println!(
+                "  decode  (one token per step): {}/{} = {:.4}",
+                a.decode_agree,
+                a.positions,
+                frac(a.decode_agree)
+            );
+            println!(
+                "  prefill (one pass):           {}/{} = {:.4}",
+                a.prefill_agree,
+                a.positions,
+                frac(a.prefill_agree)
+            );
+            println!(
+                "  max |logit diff|:             {:.4e}",
+                a.max_abs_logit_diff
+            );
+        }
+        return Ok(());
+    }
+
+    if args.compare {
+        let mut results = Vec::new();
+        for backend in [AttnBackend::Eager, AttnBackend::Flashcore] {
+            if stream {
+                println!("--- {} ---", backend.name());
+            }
+            let (g, text) = run.generate(backend, stream)?;
+            report(backend, &g.stats);
+            results.push((backend, g, text));
+        }
+        let (a, b) = (&results[0].1.tokens, &results[1].1.tokens);
+        let agree = common_prefix(a, b);
+        let compared = a.len().max(b.len());
+        if args.json {
+            println!(
+                "{{\"mode\":\"compare\",\"model\":{},\"dtype\":\"{}\",\"device\":{},\"agree_tokens\":{agree},\"compared_tokens\":{compared},\"eager\":{},\"flashcore\":{}}}",
+                quote(&loaded.description),
+                dtype_name(dtype),
+                quote(&device_name(&device)),
+                stats_json(results[0].0, &results[0].1, results[0].2.as_deref()),
+                stats_json(results[1].0, &results[1].1, results[1].2.as_deref()),
+            );
+        } else {
+            let kind = if args.temperature > 0.0 {
+                "sampled"
+            } else {
+                "greedy"
+            };
+            println!(
+                "{kind} tokens agreeing (common prefix): {agree}/{compared}{}",
+                if a == b { " (identical)" } else { "" }
+            );
+        }
+        return Ok(());
+    }
+
+    let (g, text) = run.generate(attn, stream)?;
+    report(attn, &g.stats);
+    if args.json {
+        println!(
+            "{{\"mode\":\"generate\",\"model\":{},\"dtype\":\"{}\",\"device\":{},\"result\":{}}}",
+            quote(&loaded.description),
+            dtype_name(dtype),
+            quote(&device_name(&device)),
+            stats_json(attn, &g, text.as_deref()),
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,660 @@
+//! A LLaMA-family decoder (Llama 2/3, TinyLlama, SmolLM2; Qwen2-style checkpoints with or without
+//! q/k/v biases) written against candle ops, with attention behind one function, [`attend`], that
+//! either composes candle ops (`eager`) or makes one `flashcore::attention` call (`flashcore`).
+//!
+//! Activations stay in the `(batch, seq, heads, head_dim)` layout that flashcore takes, so the
+//! fused path needs no transposes and no copies: new keys/values are written in place into a
+//! preallocated [`KvCache`] and attention reads `cache.narrow(1, 0, len)` directly. Rotary
+//! embeddings use the Hugging Face "half split" convention (dimension `i` rotates with `i + d/2`);
+//! GGUF checkpoints, whose Q/K rows llama.cpp stores interleaved, are un-permuted at load time
+//! (see `load.rs`), so one rotary implementation serves every format.
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Embedding, Linear, VarBuilder};
+
+use crate::json::Json;
+
+/// Which attention implementation the decoder calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnBackend {
+    /// candle ops: `q k^T` matmul, causal mask, softmax (in f32), matmul with `v`; K/V repeated
+    /// for grouped-query attention, as candle's own llama does.
+    Eager,
+    /// One `flashcore::attention` call per layer: causal, native GQA, strided cache views.
+    Flashcore,
+}
+
+impl AttnBackend {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttnBackend::Eager => "eager",
+            AttnBackend::Flashcore => "flashcore",
+        }
+    }
+}
+
+/// Llama 3.1-style frequency-dependent rotary scaling (`rope_scaling.rope_type == "llama3"`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Llama3RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Per-frequency divisors stored by llama.cpp as `rope_freqs.weight` (Llama 3.1+ GGUF files).
+    pub rope_freq_factors: Option<Vec<f32>>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl Config {
+    /// Reads a Hugging Face `config.json` (`LlamaForCausalLM`, `Qwen2ForCausalLM` and
+    /// look-alikes). Fields that are absent take the transformers defaults.
+    pub fn from_hf_json(j: &Json) -> Result<Config> {
+        let req = |k: &str| -> Result<usize> {
+            j.get(k)
+                .and_then(Json::as_usize)
+                .with_context(|| format!("config.json: missing or bad `{k}`"))
+        };
+        let opt_f = |k: &str, default: f64| j.get(k).and_then(Json::as_f64).unwrap_or(default);
+        let hidden_size = req("hidden_size")?;
+        let num_attention_heads = req("num_attention_heads")?;
+        let num_key_value_heads = j
+            .get("num_key_value_heads")
+            .and_then(Json::as_usize)
+            .unwrap_or(num_attention_heads);
+        let head_dim = j
+            .get("head_dim")
+            .and_then(Json::as_usize)
+            .unwrap_or(hidden_size / num_attention_heads);
+        if let Some(act) = j.get("hidden_act").and_then(Json::as_str) {
+            if act != "silu" {
+                bail!("config.json: hidden_act `{act}` is not supported (only silu / SwiGLU)")
+            }
+        }
+        let rope_scaling = match j.get("rope_scaling") {
+            None => None,
+            Some(rs) => {
+                let kind = rs
+                    .get("rope_type")
+                    .or_else(|| rs.get("type"))
+                    .and_then(Json::as_str)
+                    .unwrap_or("");
+                match kind {
+                    "llama3" => {
+                        let f = |k: &str| {
+                            rs.get(k)
+                                .and_then(Json::as_f64)
+                                .with_context(|| format!("rope_scaling: missing `{k}`"))
+                        };
+                        Some(Llama3RopeScaling {
+                            factor: f("factor")?,
+                            low_freq_factor: f("low_freq_factor")?,
+                            high_freq_factor: f("high_freq_factor")?,
+                            original_max_position_embeddings: f("original_max_position_embeddings")?
+                                as usize,
+                        })
+                    }
+                    "default" | "" => None,
+                    other => bail!(
+                        "config.json: rope_scaling type `{other}` is not supported (only llama3)"
+                    ),
+                }
+            }
+        };
+        let ids = |v: Option<&Json>| -> Vec<u32> {
+            match v {
+                Some(Json::Num(x)) => vec![*x as u32],
+                Some(Json::Arr(a)) => a
+                    .iter()
+                    .filter_map(Json::as_usize)
+                    .map(|x| x as u32)
+                    .collect(),
+                _ => vec![],
+            }
+        };
+        Ok(Config {
+            hidden_size,
+            intermediate_size: req("intermediate_size")?,
+            vocab_size: req("vocab_size")?,
+            num_hidden_layers: req("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: opt_f("rms_norm_eps", 1e-6),
+            rope_theta: opt_f("rope_theta", 10_000.0),
+            rope_scaling,
+            rope_freq_factors: None,
+            max_position_embeddings: j
+                .get("max_position_embeddings")
+                .and_then(Json::as_usize)
+                .unwrap_or(4096),
+            tie_word_embeddings: j
+                .get("tie_word_embeddings")
+                .and_then(Json::as_bool)
+                .unwrap_or(false),
+            bos_token_id: ids(j.get("bos_token_id")).first().copied(),
+            eos_token_ids: ids(j.get("eos_token_id")),
+        })
+    }
+
+    /// Published shapes, for `--random-weights` throughput runs.
+    pub fn preset(name: &str) -> Result<Config> {
+        let llama3_scaling = |factor: f64| {
+            Some(Llama3RopeScaling {
+                factor,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            })
+        };
+        let cfg = match name {
+            // Meta-Llama-3.1-8B
+            "llama3-8b" => Config {
+                hidden_size: 4096,
+                intermediate_size: 14336,
+                vocab_size: 128256,
+                num_hidden_layers: 32,
+                num_attention_heads: 32,
+                num_key_value_heads: 8,
+                head_dim: 128,
+                rms_norm_eps: 1e-5,
+                rope_theta: 500_000.0,
+                rope_scaling: llama3_scaling(8.0),
+                rope_freq_factors: None,
+                max_position_embeddings: 131072,
+                tie_word_embeddings: false,
+                bos_token_id: Some(128000),
+                eos_token_ids: vec![128001, 128008, 128009],
+            },
+            // Llama-3.2-1B
+            "llama3-1b" => Config {
+                hidden_size: 2048,
+                intermediate_size: 8192,
+                vocab_size: 128256,
+                num_hidden_layers: 16,
+                num_attention_heads: 32,
+                num_key_value_heads: 8,
+                head_dim: 64,
+                rms_norm_eps: 1e-5,
+                rope_theta: 500_000.0,
+                rope_scaling: llama3_scaling(32.0),
+                rope_freq_factors: None,
+                max_position_embeddings: 131072,
+                tie_word_embeddings: true,
+                bos_token_id: Some(128000),
+                eos_token_ids: vec![128001, 128008, 128009],
+            },
+            // SmolLM2-135M
+            "smollm2-135m" => Config {
+                hidden_size: 576,
+                intermediate_size: 1536,
+                vocab_size: 49152,
+                num_hidden_layers: 30,
+                num_attention_heads: 9,
+                num_key_value_heads: 3,
+                head_dim: 64,
+                rms_norm_eps: 1e-5,
+                rope_theta: 100_000.0,
+                rope_scaling: None,
+                rope_freq_factors: None,
+                max_position_embeddings: 8192,
+                tie_word_embeddings: true,
+                bos_token_id: Some(1),
+                eos_token_ids: vec![2],
+            },
+            other => {
+                bail!("unknown preset `{other}` (expected llama3-8b, llama3-1b or smollm2-135m)")
+            }
+        };
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
+            bail!("config: head counts must be positive")
+        }
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
+            bail!(
+                "config: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.num_attention_heads,
+                self.num_key_value_heads
+            )
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            bail!(
+                "config: head_dim must be even for rotary embeddings (got {})",
+                self.head_dim
+            )
+        }
+        Ok(())
+    }
+
+    /// Parameter count (embeddings counted once when tied).
+    pub fn num_params(&self) -> usize {
+        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let q = self.num_attention_heads * self.head_dim;
+        let kv = self.num_key_value_heads * self.head_dim;
+        let per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h;
+        let head = if self.tie_word_embeddings { 0 } else { v * h };
+        v * h + self.num_hidden_layers * per_layer + h + head
+    }
+
+    /// Inverse rotary frequencies `theta^(-2i/d)`, with Llama 3 scaling or GGUF factors applied.
+    pub fn inv_freqs(&self) -> Vec<f64> {
+        let d = self.head_dim;
+        let mut inv: Vec<f64> = (0..d / 2)
+            .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / d as f64))
+            .collect();
+        if let Some(s) = &self.rope_scaling {
+            let orig = s.original_max_position_embeddings as f64;
+            let low_wavelen = orig / s.low_freq_factor;
+            let high_wavelen = orig / s.high_freq_factor;
+            for f in inv.iter_mut() {
+                let wavelen = 2.0 * std::f64::consts::PI / *f;
+                *f = if wavelen < high_wavelen {
+                    *f
+                } else if wavelen > low_wavelen {
+                    *f / s.factor
+                } else {
+                    let smooth = (orig / wavelen - s.low_freq_factor)
+                        / (s.high_freq_factor - s.low_freq_factor);
+                    (1.0 - smooth) * *f / s.factor + smooth * *f
+                };
+            }
+        }
+        if let Some(factors) = &self.rope_freq_factors {
+            for (f, div) in inv.iter_mut().zip(factors) {
+                *f /= *div as f64;
+            }
+        }
+        inv
+    }
+}
+
+/// Keys and values of every layer, preallocated as `(batch, max_seq, heads_kv, head_dim)` and
+/// written in place with `slice_set`; the first `len` positions are valid.
+pub struct KvCache {
+    layers: Vec<(Tensor, Tensor)>,
+    len: usize,
+}
+
+impl KvCache {
+    pub fn new(
+        cfg: &Config,
+        batch: usize,
+        max_seq: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<KvCache> {
+        let shape = (batch, max_seq, cfg.num_key_value_heads, cfg.head_dim);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|_| {
+                Ok((
+                    Tensor::zeros(shape, dtype, device)?,
+                    Tensor::zeros(shape, dtype, device)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache { layers, len: 0 })
+    }
+
+    pub fn device(&self) -> Device {
+        self.layers
+            .first()
+            .map(|(k, _)| k.device().clone())
+            .unwrap_or(Device::Cpu)
+    }
+
+    /// Forget the contents (the buffers are kept and overwritten by the next prefill).
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+}
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+/// Loads a projection; a bias is used when the checkpoint has one (Qwen2 q/k/v).
+fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<Linear> {
+    let vb = vb.pp(name);
+    let w = vb.get((out_dim, in_dim), "weight")?;
+    let b = if vb.contains_tensor("bias") {
+        Some(vb.get(out_dim, "bias")?)
+    } else {
+        None
+    };
+    Ok(Linear::new(w, b))
+}
+
+impl Attention {
+    fn load(vb: &VarBuilder, cfg: &Config) -> Result<Attention> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        Ok(Attention {
+            q_proj: linear(vb, h, cfg.num_attention_heads * d, "q_proj")?,
+            k_proj: linear(vb, h, cfg.num_key_value_heads * d, "k_proj")?,
+            v_proj: linear(vb, h, cfg.num_key_value_heads * d, "v_proj")?,
+            o_proj: linear(vb, cfg.num_attention_heads * d, h, "o_proj")?,
+            num_heads: cfg.num_attention_heads,
+            num_kv_heads: cfg.num_key_value_heads,
+            head_dim: d,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        pos: usize,
+        cache: &mut (Tensor, Tensor),
+        backend: AttnBackend,
+        eager_mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let q = self.q_proj.forward(x)?.reshape((b, t, hq, d))?;
+        let k = self.k_proj.forward(x)?.reshape((b, t, hkv, d))?;
+        let v = self
+            .v_proj
+            .forward(x)?
+            .reshape((b, t, hkv, d))?
+            .contiguous()?;
+        let (q, k) = rope.apply(&q, &k, pos)?;
+
+        let (k_cache, v_cache) = cache;
+        let max_seq = k_cache.dim(1)?;
+        if pos + t > max_seq {
+            bail!("kv cache full: {pos} + {t} positions > capacity {max_seq}")
+        }
+        k_cache.slice_set(&k, 1, pos)?;
+        v_cache.slice_set(&v, 1, pos)?;
+        let k_all = k_cache.narrow(1, 0, pos + t)?;
+        let v_all = v_cache.narrow(1, 0, pos + t)?;
+
+        let o = attend(&q, &k_all, &v_all, backend, eager_mask)?;
+        self.o_proj
+            .forward(&o.reshape((b, t, hq * d))?)
+            .map_err(Into::into)
+    }
+}
+
+fn softmax_scale(head_dim: usize) -> f64 {
+    1.0 / (head_dim as f64).sqrt()
+}
+
+/// Causal attention of `q` `(b, t, hq, d)` over `k`, `v` `(b, L, hkv, d)`, where the `t` queries
+/// are the last `t` of the `L` positions; returns `(b, t, hq, d)`. The one place the backends
+/// differ. `eager_mask` is [`causal_mask`]`(t, L)`, built once per forward pass by the caller.
+pub fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    backend: AttnBackend,
+    eager_mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    match backend {
+        AttnBackend::Flashcore => flashcore_attention(q, k, v),
+        AttnBackend::Eager => eager_attention(q, k, v, eager_mask),
+    }
+}
+
+/// One fused call: causal (aligned bottom-right, so decoding sees every cached key), GQA
+/// native, `k`/`v` read in place from the cache views.
+fn flashcore_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let params = flashcore::AttnParams {
+        softmax_scale: Some(softmax_scale(q.dim(3)?) as f32),
+        mask: flashcore::Mask::Causal,
+        ..Default::default()
+    };
+    Ok(flashcore::attention(q, k, v, &params)?)
+}
+
+/// Additive mask `(t, L)` f32 for `t` queries at the end of `L` positions: query `i` (absolute
+/// position `L - t + i`) sees keys `j <= L - t + i`. `None` when every key is visible (`t == 1`).
+pub fn causal_mask(t: usize, l: usize, device: &Device) -> Result<Option<Tensor>> {
+    if t == 1 {
+        return Ok(None);
+    }
+    let offset = l - t;
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            (0..l).map(move |j| {
+                if j > i + offset {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    Ok(Some(Tensor::from_vec(mask, (t, l), device)?))
+}
+
+/// `(b, hkv, L, d)` -> `(b, hkv * n_rep, L, d)`, each KV head repeated for its `n_rep` query heads.
+fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(x.contiguous()?);
+    }
+    let (b, hkv, l, d) = x.dims4()?;
+    Ok(x.unsqueeze(2)?
+        .broadcast_as((b, hkv, n_rep, l, d))?
+        .reshape((b, hkv * n_rep, l, d))?)
+}
+
+/// The candle-ops baseline: scores in the run dtype, mask and softmax in f32, then `P v`.
+fn eager_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    let (_, _, hq, d) = q.dims4()?;
+    let hkv = k.dim(2)?;
+    let n_rep = hq / hkv;
+    let q = q.transpose(1, 2)?.contiguous()?; // (b, hq, t, d)
+    let k = repeat_kv(&k.transpose(1, 2)?, n_rep)?; // (b, hq, L, d)
+    let v = repeat_kv(&v.transpose(1, 2)?, n_rep)?;
+    let scores = (q.matmul(&k.t()?)? * softmax_scale(d))?.to_dtype(DType::F32)?; // (b, hq, t, L)
+    let scores = match mask {
+        Some(m) => scores.broadcast_add(m)?,
+        None => scores,
+    };
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+    Ok(probs.matmul(&v)?.transpose(1, 2)?) // (b, t, hq, d)
+}
+
+/// Rotary tables `(max_pos, head_dim / 2)` in the run dtype, half-split convention.
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    fn new(cfg: &Config, max_pos: usize, dtype: DType, device: &Device) -> Result<Rope> {
+        let inv = cfg.inv_freqs();
+        let half = inv.len();
+        let mut angles = Vec::with_capacity(max_pos * half);
+        for p in 0..max_pos {
+            angles.extend(inv.iter().map(|f| (p as f64 * f) as f32));
+        }
+        let angles = Tensor::from_vec(angles, (max_pos, half), device)?;
+        Ok(Rope {
+            cos: angles.cos()?.to_dtype(dtype)?,
+            sin: angles.sin()?.to_dtype(dtype)?,
+        })
+    }
+
+    fn apply(&self, q: &Tensor, k: &Tensor, pos: usize) -> Result<(Tensor, Tensor)> {
+        let t = q.dim(1)?;
+        let max = self.cos.dim(0)?;
+        if pos + t > max {
+            bail!(
+                "position {} is beyond the rotary table ({max} positions)",
+                pos + t
+            )
+        }
+        let cos = self.cos.narrow(0, pos, t)?;
+        let sin = self.sin.narrow(0, pos, t)?;
+        let q = candle_nn::rotary_emb::rope_thd(&q.contiguous()?, &cos, &sin)?;
+        let k = candle_nn::rotary_emb::rope_thd(&k.contiguous()?, &cos, &sin)?;
+        Ok((q, k))
+    }
+}
+
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
+        let up = self.up_proj.forward(x)?;
+        Ok(self.down_proj.forward(&(gate * up)?)?)
+    }
+}
+
+struct Block {
+    input_norm: Tensor,
+    attn: Attention,
+    post_attn_norm: Tensor,
+    mlp: Mlp,
+}
+
+pub struct Model {
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    lm_head: Linear,
+    rope: Rope,
+    cfg: Config,
+    eps: f32,
+    /// The attention implementation used by the next forward pass; switchable between runs.
+    pub attn: AttnBackend,
+}
+
+impl Model {
+    /// Builds the model from Hugging Face tensor names (`model.layers.N.self_attn.q_proj.weight`,
+    /// ...). `max_pos` sizes the rotary table (at least the KV cache capacity).
+    pub fn load(vb: VarBuilder, cfg: &Config, max_pos: usize, attn: AttnBackend) -> Result<Model> {
+        cfg.validate()?;
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let embed_w = vb.get((cfg.vocab_size, h), "model.embed_tokens.weight")?;
+        let lm_head_w = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
+            embed_w.clone()
+        } else {
+            vb.get((cfg.vocab_size, h), "lm_head.weight")?
+        };
+        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
+        let n = cfg.num_hidden_layers;
+        for l in 0..n {
+            let vb_l = vb.pp(format!("model.layers.{l}"));
+            let vb_mlp = vb_l.pp("mlp");
+            blocks.push(Block {
+                input_norm: vb_l.get(h, "input_layernorm.weight")?,
+                attn: Attention::load(&vb_l.pp("self_attn"), cfg)?,
+                post_attn_norm: vb_l.get(h, "post_attention_layernorm.weight")?,
+                mlp: Mlp {
+                    gate_proj: linear(&vb_mlp, h, i, "gate_proj")?,
+                    up_proj: linear(&vb_mlp, h, i, "up_proj")?,
+                    down_proj: linear(&vb_mlp, i, h, "down_proj")?,
+                },
+            });
+            if n >= 8 && ((l + 1) % n.div_ceil(4) == 0 || l + 1 == n) {
+                eprintln!("layers {}/{n} loaded", l + 1);
+            }
+        }
+        let rope = Rope::new(cfg, max_pos, vb.dtype(), vb.device())?;
+        Ok(Model {
+            embed: Embedding::new(embed_w, h),
+            blocks,
+            norm: vb.get(h, "model.norm.weight")?,
+            lm_head: Linear::new(lm_head_w, None),
+            rope,
+            cfg: cfg.clone(),
+            eps: cfg.rms_norm_eps as f32,
+            attn,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Final hidden states `(b, t, hidden)` for `tokens` `(b, t)` u32, placed after the
+    /// `cache.len()` positions already cached; the cache grows by `t`.
+    fn hidden(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let (_, t) = tokens.dims2()?;
+        let pos = cache.len;
+        if cache.layers.len() != self.blocks.len() {
+            bail!(
+                "kv cache has {} layers, model has {}",
+                cache.layers.len(),
+                self.blocks.len()
+            )
+        }
+        let mut x = self.embed.forward(tokens)?;
+        // Built once per forward pass and shared by the layers.
+        let eager_mask = match self.attn {
+            AttnBackend::Eager => causal_mask(t, pos + t, tokens.device())?,
+            AttnBackend::Flashcore => None,
+        };
+        for (block, layer_cache) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+            let h = candle_nn::ops::rms_norm(&x, &block.input_norm, self.eps)?;
+            let a = block.attn.forward(
+                &h,
+                &self.rope,
+                pos,
+                layer_cache,
+                self.attn,
+                eager_mask.as_ref(),
+            )?;
+            x = (x + a)?;
+            let h = candle_nn::ops::rms_norm(&x, &block.post_attn_norm, self.eps)?;
+            x = (&x + block.mlp.forward(&h)?)?;
+        }
+        cache.len = pos + t;
+        Ok(candle_nn::ops::rms_norm(&x, &self.norm, self.eps)?)
+    }
+
+    /// Logits of the last position only, `(b, vocab)` f32 (prefill and decode).
+    pub fn forward_last(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let x = self.hidden(tokens, cache)?;
+        let t = x.dim(1)?;
+        let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
+        Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
+    }
+
+    /// Logits of every position, `(b, t, vocab)` f32 (teacher-forced scoring).
+    pub fn forward_all(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let x = self.hidden(tokens, cache)?;
+        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+}
+
+/// Index of the largest logit in each row of `(b, vocab)`.
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+}

