@@ -102,11 +102,29 @@ impl Variant {
     /// Dynamic shared memory the kernel is launched with, in bytes (16-bit elements):
     /// Q tile plus `stages` K and V tiles.
     pub const fn smem_bytes(&self) -> u32 {
-        match self.kind {
-            KKind::Fwd | KKind::Decode => {
-                (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
-            }
+        let tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2;
+        if self.is_family("sm90") {
+            // fc90::fwd_smem_bytes: a separate O staging tile when it fits in 227 KB, plus 1 KB
+            // of alignment slack for the 128B swizzle and 256 B of barriers.
+            let sep_o = tiles + self.block_m * self.head_dim * 2 + 1280 <= 232448;
+            tiles + if sep_o { self.block_m * self.head_dim * 2 } else { 0 } + 1280
+        } else {
+            tiles
         }
+    }
+    const fn is_family(&self, name: &str) -> bool {
+        let (a, b) = (self.family.as_bytes(), name.as_bytes());
+        if a.len() != b.len() {
+            return false;
+        }
+        let mut i = 0;
+        while i < a.len() {
+            if a[i] != b[i] {
+                return false;
+            }
+            i += 1;
+        }
+        true
     }
 }
 
@@ -134,6 +152,11 @@ pub const FAMILIES: &[Family] = &[
             "arch=compute_90,code=sm_90",
             "arch=compute_80,code=compute_80",
         ],
+    },
+    Family {
+        name: "sm90",
+        headers: &[],
+        gencode: &["arch=compute_90a,code=sm_90a"],
     },
 ];
 
@@ -163,6 +186,17 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages }
 }
 
+const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
+    // wgmma + TMA, 1 producer + block_m/64 consumer warpgroups, 2-stage K/V ring; see docs/perf.md.
+    let (block_m, block_n) = match head_dim {
+        64 => (192, 128),
+        128 => (128, 128),
+        _ => (128, 80),
+    };
+    let warps = (block_m / 64 + 1) * 4;
+    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages: 2 }
+}
+
 /// Largest seq_q routed to the split-KV decode kernels (decode and speculative widths).
 pub const DECODE_MAX_SQ: u32 = 16;
 
@@ -172,6 +206,18 @@ pub fn combine_symbol(family: &str, dtype: KDType, head_dim: u32) -> String {
 }
 
 pub const VARIANTS: &[Variant] = &[
+    sm90(KDType::Bf16, 64, KMask::None),
+    sm90(KDType::Bf16, 64, KMask::Causal),
+    sm90(KDType::Bf16, 128, KMask::None),
+    sm90(KDType::Bf16, 128, KMask::Causal),
+    sm90(KDType::Bf16, 256, KMask::None),
+    sm90(KDType::Bf16, 256, KMask::Causal),
+    sm90(KDType::F16, 64, KMask::None),
+    sm90(KDType::F16, 64, KMask::Causal),
+    sm90(KDType::F16, 128, KMask::None),
+    sm90(KDType::F16, 128, KMask::Causal),
+    sm90(KDType::F16, 256, KMask::None),
+    sm90(KDType::F16, 256, KMask::Causal),
     sm80(KDType::Bf16, 64, KMask::None),
     sm80(KDType::Bf16, 64, KMask::Causal),
     sm80(KDType::Bf16, 64, KMask::Local),

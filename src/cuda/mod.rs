@@ -4,6 +4,7 @@
 pub mod arch;
 mod launch;
 pub mod params;
+mod tma;
 pub mod variants;
 
 pub use arch::{set_arch_override, Arch};
@@ -11,7 +12,7 @@ pub use arch::{set_arch_override, Arch};
 use crate::params::{Mask, Problem};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::{DType, Layout, Result, Tensor};
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
 use params::FcParams;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -65,14 +66,52 @@ pub fn poison(t: &Tensor) -> Result<()> {
     }
 }
 
-/// The compute capability of `dev`.
-pub fn compute_capability(dev: &CudaDevice) -> Result<(i32, i32)> {
-    dev.cuda_stream()
-        .context()
+/// What the dispatcher needs to know about a GPU, read once per device.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceInfo {
+    pub major: i32,
+    pub minor: i32,
+    pub sm_count: usize,
+}
+
+/// The compute capability and SM count of `dev` (cached per device ordinal).
+pub fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
+    use cudarc::driver::sys::CUdevice_attribute as DevAttr;
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static CACHE: OnceLock<Mutex<HashMap<usize, DeviceInfo>>> = OnceLock::new();
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(i) = cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&ctx.ordinal())
+    {
+        return Ok(*i);
+    }
+    let e = |what: &str, err: cudarc::driver::DriverError| {
+        candle_core::Error::Msg(format!(
+            "flashcore: reading the {what} of CUDA device {}: {err}",
+            ctx.ordinal()
+        ))
+    };
+    let (major, minor) = ctx
         .compute_capability()
-        .map_err(|e| {
-            candle_core::Error::Msg(format!("flashcore: reading the compute capability: {e}"))
-        })
+        .map_err(|err| e("compute capability", err))?;
+    let sm_count = ctx
+        .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|err| e("multiprocessor count", err))? as usize;
+    let info = DeviceInfo {
+        major,
+        minor,
+        sm_count,
+    };
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(ctx.ordinal(), info);
+    Ok(info)
 }
 
 /// Which kernel family and variant a problem runs on `dev`: the dispatcher's decision, exposed for
@@ -85,8 +124,8 @@ pub fn describe(
     v: &Tensor,
 ) -> Result<String> {
     let prob = crate::params::validate(q, k, v, p)?;
-    let (major, minor) = compute_capability(dev)?;
-    let v = choose(&prob, arch::select(major, minor)?)?;
+    let info = device_info(dev)?;
+    let v = choose(&prob, arch::select(info.major, info.minor)?)?;
     Ok(v.symbol())
 }
 
@@ -232,14 +271,9 @@ fn decode(
     f: &cudarc::driver::CudaFunction,
     shape: &str,
 ) -> Result<()> {
-    use cudarc::driver::sys::CUdevice_attribute as DevAttr;
     let symbol = variant.symbol();
     let stream = dev.cuda_stream();
-    let sms = stream
-        .context()
-        .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(|e| launch::err(&symbol, shape, format!("reading the SM count: {e}")))?
-        as usize;
+    let sms = device_info(dev)?.sm_count;
     let (bm, bn) = (variant.block_m as usize, variant.block_n as usize);
     let splits = decode_num_splits(p.b, p.hkv, p.hq, p.sq, p.sk, sms, bm, bn);
     let row_blocks = (p.h_ratio() * p.sq).div_ceil(bm);
@@ -300,8 +334,8 @@ pub(crate) fn forward(
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dev = q.0.device.clone();
-    let (major, minor) = compute_capability(&dev)?;
-    let variant = choose(p, arch::select(major, minor)?)?;
+    let info = device_info(&dev)?;
+    let variant = choose(p, arch::select(info.major, info.minor)?)?;
     match p.dtype {
         DType::BF16 => run_typed::<bf16>(&dev, p, variant, slopes, q, k, v),
         DType::F16 => run_typed::<f16>(&dev, p, variant, slopes, q, k, v),
@@ -410,6 +444,66 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     let smem = variant.smem_bytes();
     let f = launch::function(&stream, variant.family, &symbol, smem, &shape)?;
     match variant.kind {
+        KKind::Fwd if variant.family == "sm90" => {
+            let strides = |l: &Layout| {
+                let s = l.stride();
+                [s[0], s[1], s[2]]
+            };
+            let enc =
+                |base: u64, seq: usize, heads: usize, l: &Layout, box_rows: u32, name: &str| {
+                    let op = tma::Operand {
+                        base,
+                        d: p.d,
+                        seq,
+                        heads,
+                        batch: p.b,
+                        strides: strides(l),
+                        box_rows,
+                    };
+                    tma::encode(variant.dtype, &op, name)
+                        .map_err(|e| launch::err(&symbol, &shape, e))
+                };
+            let tm_q = enc(qp, p.sq, p.hq, q.1, variant.block_m, "q")?;
+            let tm_k = enc(kp, p.sk, p.hkv, k.1, variant.block_n, "k")?;
+            let tm_v = enc(vp, p.sk, p.hkv, v.1, variant.block_n, "v")?;
+            let m_blocks = p.sq.div_ceil(variant.block_m as usize);
+            let tiles = m_blocks * p.hq * p.b;
+            // Persistent grid (one CTA per SM looping over tiles) where the tiles are equal or few;
+            // one CTA per tile for long causal problems (the hardware balances the unequal tiles).
+            let grid = if p.mask == Mask::None || m_blocks <= 8 {
+                let sms = device_info(dev)?.sm_count;
+                (tiles.min(sms.max(1)) as u32, 1, 1)
+            } else {
+                if p.hq > 65535 || p.b > 65535 {
+                    return Err(launch::err(
+                        &symbol,
+                        &shape,
+                        "heads_q and batch must each be <= 65535",
+                    ));
+                }
+                (m_blocks as u32, p.hq as u32, p.b as u32)
+            };
+            let cfg = LaunchConfig {
+                grid_dim: grid,
+                block_dim: (variant.threads(), 1, 1),
+                shared_mem_bytes: smem,
+            };
+            let mut b = stream.launch_builder(&f);
+            b.arg(&prm).arg(&tm_q).arg(&tm_k).arg(&tm_v);
+            // SAFETY: signature (FcParams, CUtensorMap x3) as in kernels/sm90/fwd.cuh; the maps
+            // describe the live q/k/v buffers whose pointers are in `prm`.
+            unsafe { b.launch(cfg) }.map_err(|e| {
+                launch::err(
+                    &symbol,
+                    &shape,
+                    format!(
+                        "launch failed (grid {grid:?}, block {}, smem {smem} B): {e}",
+                        variant.threads()
+                    ),
+                )
+            })?;
+            launch::check_sync(&stream, &symbol, &shape)?;
+        }
         KKind::Fwd => {
             let m_blocks = p.sq.div_ceil(variant.block_m as usize);
             if p.hq > 65535 || p.b > 65535 {

@@ -1,0 +1,475 @@
+// flashcore sm_90a forward attention: FA3-style warp specialization (own code).
+//
+// CTA = 1 producer warpgroup (warp 0 lane 0 issues TMA; setmaxnreg.dec) + BLOCK_M/64 consumer
+// warpgroups (setmaxnreg.inc), each owning 64 query rows. Q is loaded once (TMA, SW128), K and V
+// stream through a STAGES-deep ring of full/empty mbarriers, key tiles are walked from the last
+// (masked) one down to 0. Per consumer: S = Q K^T with SS wgmma (K-major, SW128), online softmax in
+// registers (exp2, scale_log2 folded), P packed to 16-bit registers, O += P V with RS wgmma (V is
+// MN-major in smem, imm-trans-b = 1). Intra-warpgroup overlap: QK^T of tile i is issued before the
+// P V of tile i-1, and the source places the softmax of tile i before the wait for that P V (NOTE:
+// ptxas 13.0 hoists that wait above the softmax in SASS; .scratch/sm90/fwd_v4_overlapfix_UNTESTED.cuh
+// moves the wait past the loop back-edge to fix this, not yet validated on the device). Optional
+// ping-pong between consumer warpgroups (named barriers 1..NC) hands the tensor cores from one to the
+// next. Persistent tile loop (any grid size, see below). Epilogue: 1/l, O staged (swizzled) in a
+// separate O buffer when it fits in smem (then Q of the next tile loads right after the last Q K^T),
+// else in the warpgroup's own slice of the Q buffer; 16-byte coalesced global stores of rows < sq;
+// LSE (natural log) f32; empty rows O = 0, LSE = -inf.
+//
+// ---------------------------------------------------------------------------------------------
+// LAUNCH CONTRACT (host side; see .scratch/sm90/harness.cu make_maps() for the reference code)
+//   kernel:  SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,
+//                   const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v)
+//   grid: any size; CTA i (linear id) processes tiles k*nctas + (k odd ? nctas-1-i : i), k = 0, 1, ...
+//         of the ceil(sq/BLOCK_M)*hq*b query tiles. One CTA per tile: grid (ceil(sq/BLOCK_M), hq, b)
+//         (use this for causal: the hardware scheduler balances the unequal tiles); persistent:
+//         grid (min(tiles, #SMs), 1, 1) (use this for no mask: it overlaps one tile's epilogue with
+//         the next tile's loads).          block = WARPS*32 = (BLOCK_M/64 + 1) * 128 threads
+//   dynamic smem = fc90::fwd_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)  (host+device constexpr)
+//                = (BLOCK_M + 2*STAGES*BLOCK_N + (SEP_O ? BLOCK_M : 0)) * HEAD_DIM * 2 + 1280, where
+//                  SEP_O = (2*BLOCK_M + 2*STAGES*BLOCK_N) * HEAD_DIM * 2 + 1280 <= 232448 (227 KB)
+//     -> needs cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) (> 48 KB).
+//   Tensor maps (cuTensorMapEncodeTiled), one each for q, k, v, all the same recipe:
+//     dataType  CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 or _FLOAT16;  rank 4
+//     globalAddress = p.q / p.k / p.v (must be 16-byte aligned)
+//     globalDim     = { d, seq, heads, batch }  (fastest first; seq = sq for q, sk for k/v;
+//                                                heads = hq for q, hkv for k/v)
+//     globalStrides = { row_stride*2, head_stride*2, batch_stride*2 } bytes (each a multiple of 16
+//                     and < 2^40; a size-1 dim may use any valid stride, e.g. seq*row_stride*2)
+//     boxDim        = { 64, BLOCK_M (q) or BLOCK_N (k, v), 1, 1 }
+//     elementStrides= { 1, 1, 1, 1 }
+//     interleave CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle CU_TENSOR_MAP_SWIZZLE_128B,
+//     l2Promotion CU_TENSOR_MAP_L2_PROMOTION_L2_128B, oobFill CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE (zeros)
+//   Requirements the host must check (else use the sm80 path): head_dim % 64 == 0; q/k/v base
+//   addresses 16-B aligned and their row/head/batch strides multiples of 8 elements; o base 16-B
+//   aligned and o strides multiples of 8 elements (16-byte vector stores); mask none or causal
+//   (window_left = -1, window_right in {-1, 0}); softcap == 0; no ALiBi; num_splits == 1.
+// ---------------------------------------------------------------------------------------------
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include <cuda.h>
+#include "../common/params.h"
+#include "hopper.cuh"
+
+
+namespace fc90 {
+
+// A separate O staging buffer (BM x D) is used when it fits in the 227 KB opt-in limit; it lets the
+// next tile's Q load start as soon as the last Q K^T of the current tile has completed.
+__host__ __device__ constexpr bool fwd_sep_o(int bm, int bn, int d, int stages) {
+    return (uint32_t)((2 * bm + 2 * stages * bn) * d * 2) + 1280u <= 232448u;
+}
+__host__ __device__ constexpr uint32_t fwd_smem_bytes(int bm, int bn, int d, int stages) {
+    return (uint32_t)((bm + 2 * stages * bn + (fwd_sep_o(bm, bn, d, stages) ? bm : 0)) * d * 2) + 1024u + 256u;
+}
+
+template <typename T> struct TypeInfo;
+template <> struct TypeInfo<__nv_bfloat16> {
+    static constexpr bool bf16 = true;
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+};
+template <> struct TypeInfo<__half> {
+    static constexpr bool bf16 = false;
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+};
+
+template <typename T, int D, int MASK, int BM, int BN, int STAGES, bool PINGPONG>
+struct FwdSm90 {
+    static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128, 192 or 256");
+    static_assert(BM % 64 == 0 && BM >= 128 && BM <= 192, "BLOCK_M = 128 or 192");
+    static_assert(BN % 16 == 0 && BN <= 256, "BLOCK_N multiple of 16");
+    static_assert(MASK == 0 || MASK == 1, "sm90 path: mask none or causal");
+    static constexpr bool CAUSAL = MASK == 1;
+    static constexpr int NC = BM / 64;  // consumer warpgroups
+    static constexpr int NTHREADS = (NC + 1) * 128;
+    static constexpr int DB = D / 64;  // 64-column (128-byte) blocks
+    static constexpr uint32_t Q_BYTES = BM * D * 2;
+    static constexpr uint32_t KV_BYTES = BN * D * 2;
+    static constexpr bool SEP_O = fwd_sep_o(BM, BN, D, STAGES);
+    static constexpr uint32_t TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + (SEP_O ? Q_BYTES : 0);
+    static_assert(TILE_BYTES + 1280 <= 232448, "shared memory over the 227 KB limit");
+    static constexpr int PROD_REGS = NC == 2 ? 24 : 32;
+    static constexpr int CONS_REGS = NC == 2 ? 240 : 160;
+    static constexpr int BAR_SCHED = 1;            // named barriers 1..NC: ping-pong
+    static constexpr int BAR_EPI = 1 + NC;         // named barriers NC+1..2NC: per-WG epilogue
+    static constexpr bool BF = TypeInfo<T>::bf16;
+    using QK = Wgmma<BN, BF>;
+    using PV = Wgmma<D, BF>;
+
+    // Tile lin (0 <= lin < num_m * hq * b) -> (m_block, h, bi). Non-causal: m fastest (CTAs in flight
+    // share K/V). Causal: longest query tiles first within groups of G (batch, head) pairs whose K and V
+    // fit in ~24 MB of L2; a smaller remainder group goes first so the last group is a full one.
+    __device__ static __forceinline__ void decode_tile(const FcParams& p, int num_m, int lin, int& m_block, int& h,
+                                                       int& bi) {
+        int bh;
+        if (CAUSAL) {
+            const int nbh = p.hq * p.b;
+            const long long kvh = 4LL * p.sk * D;
+            const int G = (int)max(1LL, min((long long)nbh, (24LL << 20) / max(kvh, 1LL)));
+            const int rem = nbh % G;
+            int base, gsz, r;
+            if (lin < rem * num_m) {
+                base = 0; gsz = rem; r = lin;
+            } else {
+                const int l2 = lin - rem * num_m;
+                const int grp = l2 / (G * num_m);
+                base = rem + grp * G; gsz = G; r = l2 - grp * G * num_m;
+            }
+            m_block = num_m - 1 - r / gsz;
+            bh = base + r % gsz;
+        } else {
+            m_block = lin % num_m;
+            bh = lin / num_m;
+        }
+        h = bh % p.hq;
+        bi = bh / p.hq;
+    }
+    __device__ static __forceinline__ int n_tiles(const FcParams& p, int m_block) {
+        int n_max = (p.sk + BN - 1) / BN;
+        if (CAUSAL) {
+            const int lim = (m_block + 1) * BM + p.sk - p.sq;  // keys < lim are visible to some row
+            n_max = lim <= 0 ? 0 : min(n_max, (lim + BN - 1) / BN);
+        }
+        return n_max;
+    }
+
+    __device__ static __forceinline__ void run(const FcParams& p, const CUtensorMap* tmq, const CUtensorMap* tmk,
+                                               const CUtensorMap* tmv) {
+        extern __shared__ uint8_t smem_raw[];
+        const uint32_t raw = smem_u32(smem_raw);
+        const uint32_t sQ = (raw + 1023u) & ~1023u;
+        const uint32_t sK = sQ + Q_BYTES;
+        const uint32_t sV = sK + STAGES * KV_BYTES;
+        const uint32_t sO = sV + STAGES * KV_BYTES;  // O staging buffer (only when SEP_O; else O goes to sQ)
+        const uint32_t bars = sO + (SEP_O ? Q_BYTES : 0);
+        const uint32_t bar_q = bars;
+        const uint32_t q_empty = bars + 8u;
+        auto full_k = [&](int s) { return bars + 16u + 8u * s; };
+        auto full_v = [&](int s) { return bars + 16u + 8u * (STAGES + s); };
+        auto empty_k = [&](int s) { return bars + 16u + 8u * (2 * STAGES + s); };
+        auto empty_v = [&](int s) { return bars + 16u + 8u * (3 * STAGES + s); };
+
+        // ---- persistent static schedule: CTA `cta` takes tiles k*nctas + (k odd ? nctas-1-cta : cta) ----
+        const int num_m = (p.sq + BM - 1) / BM;
+        const int total = num_m * p.hq * p.b;
+        const int nctas = gridDim.x * gridDim.y * gridDim.z;
+        const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int tid = threadIdx.x;
+        const int wg = tid / 128;
+
+        if (tid == 0) {
+            mbar_init(bar_q, 1);
+            mbar_init(q_empty, NC);
+#pragma unroll
+            for (int s = 0; s < STAGES; ++s) {
+                mbar_init(full_k(s), 1);
+                mbar_init(full_v(s), 1);
+                mbar_init(empty_k(s), NC);
+                mbar_init(empty_v(s), NC);
+            }
+            fence_barrier_init();
+        }
+        __syncthreads();
+
+        if (wg == 0) {
+            // ================= producer =================
+            reg_dealloc<PROD_REGS>();
+            if (tid == 0) {
+                tma_prefetch_desc(tmq);
+                tma_prefetch_desc(tmk);
+                tma_prefetch_desc(tmv);
+                PipeState<STAGES> ks, vs;
+                uint32_t qi = 0;
+                for (int k = 0; k * nctas < total; ++k) {
+                    const int lin = k * nctas + ((k & 1) ? nctas - 1 - cta : cta);
+                    if (lin >= total) continue;
+                    int m_block, h, bi;
+                    decode_tile(p, num_m, lin, m_block, h, bi);
+                    const int n_max = n_tiles(p, m_block);
+                    if (n_max <= 0) continue;
+                    const int hk = h / p.h_ratio;
+                    auto load_k = [&](int n) {
+                        mbar_wait(empty_k(ks.stage), ks.phase ^ 1);
+                        mbar_arrive_expect_tx(full_k(ks.stage), KV_BYTES);
+                        const uint32_t dst = sK + ks.stage * KV_BYTES;
+#pragma unroll
+                        for (int c = 0; c < DB; ++c)
+                            tma_load_4d(dst + c * BN * 128, tmk, full_k(ks.stage), c * 64, n * BN, hk, bi, kEvictLast);
+                        ks.advance();
+                    };
+                    auto load_v = [&](int n) {
+                        mbar_wait(empty_v(vs.stage), vs.phase ^ 1);
+                        mbar_arrive_expect_tx(full_v(vs.stage), KV_BYTES);
+                        const uint32_t dst = sV + vs.stage * KV_BYTES;
+#pragma unroll
+                        for (int c = 0; c < DB; ++c)
+                            tma_load_4d(dst + c * BN * 128, tmv, full_v(vs.stage), c * 64, n * BN, hk, bi, kEvictLast);
+                        vs.advance();
+                    };
+                    load_k(n_max - 1);
+                    // Q buffer is free once both consumer warpgroups finished the previous epilogue
+                    mbar_wait(q_empty, (qi & 1) ^ 1);
+                    mbar_arrive_expect_tx(bar_q, Q_BYTES);
+#pragma unroll
+                    for (int c = 0; c < DB; ++c)
+                        tma_load_4d(sQ + c * BM * 128, tmq, bar_q, c * 64, m_block * BM, h, bi, kEvictFirst);
+                    ++qi;
+                    for (int n = n_max - 2; n >= 0; --n) {
+                        load_k(n);
+                        load_v(n + 1);
+                    }
+                    load_v(0);
+                }
+            }
+            return;
+        }
+
+        // ================= consumers =================
+        reg_alloc<CONS_REGS>();
+        const int c = wg - 1;
+        const int t128 = tid & 127;
+        const int warp = t128 >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+        const float sl2 = p.scale_log2;
+        const uint64_t dq = desc_sw128(sQ + c * 8192, 16, 1024);
+        const uint64_t dk = desc_sw128(sK, 16, 1024);
+        const uint64_t dv = desc_sw128(sV, BN * 128, 1024);
+        uint8_t* const gsO = smem_raw + ((SEP_O ? sO : sQ) - raw);
+        const uint32_t slice = c * 8192;
+        constexpr int CPR = D / 8;  // 16-byte chunks per output row
+        PipeState<STAGES> ks, vs;
+        uint32_t qi = 0;
+
+        float o[D / 2];
+        float s[BN / 2];
+        uint32_t pa[BN / 16][4];
+        float m_r[2], l_r[2];
+
+        for (int k = 0; k * nctas < total; ++k) {
+            const int lin = k * nctas + ((k & 1) ? nctas - 1 - cta : cta);
+            if (lin >= total) continue;
+            int m_block, h, bi;
+            decode_tile(p, num_m, lin, m_block, h, bi);
+            const int NT = n_tiles(p, m_block);
+            const int row0 = m_block * BM + c * 64 + warp * 16 + g;  // rows row0 and row0 + 8
+            T* const og = reinterpret_cast<T*>(p.o) + (int64_t)bi * p.o_batch_stride + (int64_t)h * p.o_head_stride;
+            float* const lse_g = p.lse + ((int64_t)bi * p.hq + h) * p.sq;
+
+            if (NT <= 0) {
+                // every row of this tile sees no key: O = 0, LSE = -inf (no smem use)
+                if (tq == 0) {
+                    if (row0 < p.sq) lse_g[row0] = -INFINITY;
+                    if (row0 + 8 < p.sq) lse_g[row0 + 8] = -INFINITY;
+                }
+#pragma unroll
+                for (int it = 0; it < 64 * CPR / 128; ++it) {
+                    const int idx = it * 128 + t128;
+                    const int rl = idx / CPR, chk = idx % CPR;
+                    const int grow = m_block * BM + c * 64 + rl;
+                    if (grow < p.sq)
+                        *reinterpret_cast<uint4*>(og + (int64_t)grow * p.o_row_stride + chk * 8) = make_uint4(0, 0, 0, 0);
+                }
+                continue;
+            }
+
+            m_r[0] = m_r[1] = -INFINITY;
+            l_r[0] = l_r[1] = 0.f;
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+
+            // softmax of one S tile held in s[]: mask, new max, alpha, exponentials, partial row sums.
+            auto softmax = [&](int n, float (&alpha)[2]) {
+                const bool need_mask =
+                    (n * BN + BN > p.sk) || (CAUSAL && n * BN + BN - 1 > m_block * BM + p.sk - p.sq);
+                if (need_mask) {
+                    const int col0 = n * BN + 2 * tq;
+#pragma unroll
+                    for (int i = 0; i < BN / 2; ++i) {
+                        const int col = col0 + 8 * (i >> 2) + (i & 1);
+                        const int row = row0 + 8 * ((i >> 1) & 1);
+                        bool bad = col >= p.sk;
+                        if (CAUSAL) bad |= col > row + p.sk - p.sq;
+                        if (bad) s[i] = -INFINITY;
+                    }
+                }
+                float mx[2] = {m_r[0], m_r[1]};
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+                float mu[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                    mu[r] = mx[r] == -INFINITY ? 0.f : mx[r] * sl2;
+                    alpha[r] = ex2(m_r[r] * sl2 - mu[r]);
+                    m_r[r] = mx[r];
+                }
+                float sum[2] = {0.f, 0.f};
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) {
+                    const int r = (i >> 1) & 1;
+                    s[i] = ex2(fmaf(s[i], sl2, -mu[r]));
+                    sum[r] += s[i];
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) l_r[r] = l_r[r] * alpha[r] + sum[r];
+            };
+            auto convert_p = [&]() {
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        pa[kk][j] = TypeInfo<T>::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+            };
+            auto issue_qk = [&](int stage) {
+                const uint64_t dks = desc_add(dk, stage * KV_BYTES);
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk)
+                    QK::ss(s, desc_add(dq, (kk / 4) * BM * 128 + (kk % 4) * 32),
+                           desc_add(dks, (kk / 4) * BN * 128 + (kk % 4) * 32), kk > 0 ? 1 : 0);
+            };
+            auto issue_pv = [&](int stage) {
+                const uint64_t dvs = desc_add(dv, stage * KV_BYTES);
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk) PV::rs(o, pa[kk], desc_add(dvs, kk * 2048), 1);
+            };
+            auto sched_sync = [&]() {
+                if (PINGPONG) named_sync(BAR_SCHED + c, 256);
+            };
+            auto sched_arrive = [&](bool last) {
+                if (PINGPONG && !(last && c == NC - 1)) named_arrive(BAR_SCHED + (c + 1) % NC, 256);
+            };
+            if (PINGPONG && c == NC - 1) named_arrive(BAR_SCHED, 256);  // seed: WG 0 goes first
+
+            mbar_wait(bar_q, qi & 1);
+            // ---- prologue: S_0 = Q K_0^T, softmax, P_0 ----
+            mbar_wait(full_k(ks.stage), ks.phase);
+            sched_sync();
+            fence_regs(s);
+            fence_regs(o);
+            wg_fence();
+            issue_qk(ks.stage);
+            wg_commit();
+            sched_arrive(false);
+            wg_wait<0>();
+            fence_regs(s);
+            if (t128 == 0) mbar_arrive(empty_k(ks.stage));
+            ks.advance();
+            {
+                float alpha[2];
+                softmax(NT - 1, alpha);
+                convert_p();
+            }
+            // ---- steady state: issue S_i = Q K_i^T and O += P_{i-1} V_{i-1}; softmax_i overlaps P V ----
+            for (int i = 1; i < NT; ++i) {
+                const int n = NT - 1 - i;
+                mbar_wait(full_k(ks.stage), ks.phase);
+                sched_sync();
+                fence_regs(s);
+                fence_regs(pa);
+                fence_regs(o);
+                wg_fence();
+                issue_qk(ks.stage);
+                wg_commit();
+                mbar_wait(full_v(vs.stage), vs.phase);
+                issue_pv(vs.stage);
+                wg_commit();
+                sched_arrive(false);
+                wg_wait<1>();
+                fence_regs(s);
+                if (t128 == 0) mbar_arrive(empty_k(ks.stage));
+                ks.advance();
+                float alpha[2];
+                softmax(n, alpha);
+                wg_wait<0>();
+                fence_regs(o);
+                fence_regs(pa);
+                if (t128 == 0) mbar_arrive(empty_v(vs.stage));
+                vs.advance();
+#pragma unroll
+                for (int j = 0; j < D / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
+                convert_p();
+            }
+            // all Q K^T of this tile are complete: with a separate O buffer, Q can be reloaded now
+            if (SEP_O && t128 == 0) mbar_arrive(q_empty);
+            // ---- tail: O += P_{T-1} V_{T-1} ----
+            mbar_wait(full_v(vs.stage), vs.phase);
+            sched_sync();
+            fence_regs(pa);
+            fence_regs(o);
+            wg_fence();
+            issue_pv(vs.stage);
+            wg_commit();
+            sched_arrive(true);
+            wg_wait<0>();
+            fence_regs(o);
+            fence_regs(pa);
+            if (t128 == 0) mbar_arrive(empty_v(vs.stage));
+            vs.advance();
+
+            // ================= epilogue =================
+            float inv[2], lse[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float l = l_r[r];
+                l += __shfl_xor_sync(0xffffffffu, l, 1);
+                l += __shfl_xor_sync(0xffffffffu, l, 2);
+                const bool empty = !(l > 0.f);
+                inv[r] = empty ? 0.f : 1.f / l;
+                lse[r] = empty ? -INFINITY : m_r[r] * p.scale + logf(l);
+            }
+            if (tq == 0) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = row0 + 8 * r;
+                    if (row < p.sq) lse_g[row] = lse[r];
+                }
+            }
+            // stage O (16-bit) into this warpgroup's 64-row slice of the O (or Q) buffer, 128B-swizzled
+#pragma unroll
+            for (int i = 0; i < D / 2; i += 2) {
+                const int col = 8 * (i >> 2) + 2 * tq;
+                const int rl = warp * 16 + g + 8 * ((i >> 1) & 1);
+                const int cb = col >> 6, ch = (col & 63) >> 3;
+                const uint32_t off = cb * BM * 128 + slice + rl * 128 + ((ch ^ (rl & 7)) << 4) + (col & 7) * 2;
+                const int r = (i >> 1) & 1;
+                *reinterpret_cast<uint32_t*>(gsO + off) = TypeInfo<T>::pack(o[i] * inv[r], o[i + 1] * inv[r]);
+            }
+            named_sync(BAR_EPI + c, 128);
+#pragma unroll
+            for (int it = 0; it < 64 * CPR / 128; ++it) {
+                const int idx = it * 128 + t128;
+                const int rl = idx / CPR, chk = idx % CPR;
+                const int cb = chk >> 3, ch = chk & 7;
+                const uint32_t off = cb * BM * 128 + slice + rl * 128 + ((ch ^ (rl & 7)) << 4);
+                const uint4 v = *reinterpret_cast<const uint4*>(gsO + off);
+                const int grow = m_block * BM + c * 64 + rl;
+                if (grow < p.sq) *reinterpret_cast<uint4*>(og + (int64_t)grow * p.o_row_stride + chk * 8) = v;
+            }
+            // all smem reads of this warpgroup done (-> release the Q buffer when O was staged in it)
+            named_sync(BAR_EPI + c, 128);
+            if (!SEP_O && t128 == 0) mbar_arrive(q_empty);
+            ++qi;
+        }
+    }
+};
+
+}  // namespace fc90
+
+// SYMBOL(p, tm_q, tm_k, tm_v): see the launch contract above. WARPS must be (BLOCK_M/64 + 1) * 4.
+#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG)               \
+    extern "C" __global__ void __launch_bounds__((WARPS) * 32, 1)                                           \
+        SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,                 \
+               const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {         \
+        static_assert((WARPS) == ((BLOCK_M) / 64 + 1) * 4, "sm90 fwd: WARPS = (BLOCK_M/64 + 1) * 4");       \
+        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG>::run(p, &tm_q, &tm_k, &tm_v); \
+    }
+// Ping-pong between consumer warpgroups for head_dim <= 128 (measured faster there), off for 256.
+#define FC_SM90_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128))
