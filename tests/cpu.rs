@@ -177,17 +177,8 @@ fn softcap_and_alibi() -> Result<()> {
 #[test]
 fn random_problems() -> Result<()> {
     // Fresh shapes each run, from the clock; printed so a failure can be reproduced.
-    let mut seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    println!("random_problems seed {seed}");
-    let mut next = |n: usize| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        (seed % n as u64) as usize
-    };
+    let mut rng = Rng::from_clock("random_problems");
+    let mut next = |n: usize| rng.below(n);
     for _ in 0..40 {
         let hkv = [1, 2, 4][next(3)];
         let hq = hkv * [1, 2, 4][next(3)];

@@ -64,29 +64,34 @@ impl std::fmt::Display for Case {
 /// (candle matmul/softmax in the input dtype) plus a rounding floor; LSE within f32 rounding.
 fn check(dev: &Device, c: &Case) -> Result<(f64, f64)> {
     let (q, k, v) = qkv(c.b, c.sq, c.sk, c.hq, c.hkv, c.d, c.dtype, c.strided, dev)?;
+    check_inputs(&c.to_string(), &q, &k, &v, c.mask)
+}
+
+/// The tolerance rule on given inputs; returns (fused error, naive error) against float64.
+fn check_inputs(what: &str, q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask) -> Result<(f64, f64)> {
     let p = AttnParams {
-        mask: c.mask,
+        mask,
         ..Default::default()
     };
-    let (o, lse) = attention_with_lse(&q, &k, &v, &p)?;
+    let (o, lse) = attention_with_lse(q, k, v, &p)?;
     let o = o.to_device(&Device::Cpu)?;
     let lse = lse.to_device(&Device::Cpu)?;
     assert_eq!(
         non_finite(&o)?,
         0,
-        "{c}: non-finite (unwritten or NaN) output elements"
+        "{what}: non-finite (unwritten or NaN) output elements"
     );
-    let (o_ref, lse_ref) = reference_f64(&q, &k, &v, &p)?;
-    let naive = attention_slow(&q, &k, &v, &p)?.to_device(&Device::Cpu)?;
+    let (o_ref, lse_ref) = reference_f64(q, k, v, &p)?;
+    let naive = attention_slow(q, k, v, &p)?.to_device(&Device::Cpu)?;
     let err = max_abs_diff(&o, &o_ref)?;
     let naive_err = max_abs_diff(&naive, &o_ref)?;
-    let floor = rounding_floor(c.dtype, max_abs(&o_ref)?);
+    let floor = rounding_floor(q.dtype(), max_abs(&o_ref)?);
     assert!(
         err <= 2.0 * naive_err + floor,
-        "{c}: fused error {err:.3e} > 2 x naive {naive_err:.3e} + floor {floor:.1e}"
+        "{what}: fused error {err:.3e} > 2 x naive {naive_err:.3e} + floor {floor:.1e}"
     );
     let lerr = lse_err(&lse, &lse_ref)?;
-    assert!(lerr <= 2e-3, "{c}: lse error {lerr:.3e}");
+    assert!(lerr <= 2e-3, "{what}: lse error {lerr:.3e}");
     Ok((err, naive_err))
 }
 
@@ -165,22 +170,9 @@ fn sweep() -> Result<()> {
 fn random_problems() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     arch_under_test();
-    let count: usize = std::env::var("FLASHCORE_RANDOM_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(100);
-    let mut seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
-    println!("random_problems: {count} cases, seed {seed}");
-    let mut next = |n: usize| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        (seed % n as u64) as usize
-    };
+    let count = random_cases();
+    let mut rng = Rng::from_clock("random_problems");
+    let mut next = |n: usize| rng.below(n);
     for i in 0..count {
         let hkv = [1, 2, 4][next(3)];
         let hq = hkv * [1, 2, 4, 8][next(4)];
@@ -266,29 +258,11 @@ fn check_decode(
 ) -> Result<()> {
     let q = Tensor::randn(0f32, 1., (b, sq, hq, d), dev)?.to_dtype(dtype)?;
     let (k, v) = cache_views(dev, b, sk, sk + 37, hkv, d, dtype)?;
-    let p = AttnParams {
-        mask,
-        ..Default::default()
-    };
     let what = format!(
         "decode {dtype:?} b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d} {}",
         mask_name(mask)
     );
-    let (o, lse) = attention_with_lse(&q, &k, &v, &p)?;
-    let o = o.to_device(&Device::Cpu)?;
-    assert_eq!(non_finite(&o)?, 0, "{what}: non-finite output");
-    let (o_ref, lse_ref) = reference_f64(&q, &k, &v, &p)?;
-    let naive = attention_slow(&q, &k, &v, &p)?.to_device(&Device::Cpu)?;
-    let err = max_abs_diff(&o, &o_ref)?;
-    let naive_err = max_abs_diff(&naive, &o_ref)?;
-    let floor = rounding_floor(dtype, max_abs(&o_ref)?);
-    assert!(
-        err <= 2.0 * naive_err + floor,
-        "{what}: fused error {err:.3e} > 2 x naive {naive_err:.3e} + floor {floor:.1e}"
-    );
-    let lerr = lse_err(&lse.to_device(&Device::Cpu)?, &lse_ref)?;
-    assert!(lerr <= 2e-3, "{what}: lse error {lerr:.3e}");
-    Ok(())
+    check_inputs(&what, &q, &k, &v, mask).map(|_| ())
 }
 
 #[test]
@@ -323,22 +297,9 @@ fn decode_sweep() -> Result<()> {
 fn decode_random() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     arch_under_test();
-    let count: usize = std::env::var("FLASHCORE_RANDOM_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(100);
-    let mut seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
-    println!("decode_random: {count} cases, seed {seed}");
-    let mut next = |n: usize| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        (seed % n as u64) as usize
-    };
+    let count = random_cases();
+    let mut rng = Rng::from_clock("decode_random");
+    let mut next = |n: usize| rng.below(n);
     for _ in 0..count {
         let hkv = [1, 2, 8][next(3)];
         let hq = hkv * [1, 4, 8][next(3)];

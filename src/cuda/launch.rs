@@ -39,17 +39,7 @@ pub(crate) fn function(
     let mut fns = functions().lock().unwrap_or_else(|e| e.into_inner());
     if let Some((f, limit)) = fns.get_mut(&fkey) {
         if *limit < smem {
-            f.set_attribute(
-                Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .map_err(|e| {
-                err(
-                    symbol,
-                    shape,
-                    format!("setting {smem} B of dynamic shared memory: {e}"),
-                )
-            })?;
+            raise_smem(ctx, f, smem, symbol, shape)?;
             *limit = smem;
         }
         return Ok(f.clone());
@@ -83,37 +73,48 @@ pub(crate) fn function(
         )
     })?;
     if smem > 48 * 1024 {
-        use cudarc::driver::sys::CUdevice_attribute as DevAttr;
-        let optin = ctx
-            .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| {
-                err(
-                    symbol,
-                    shape,
-                    format!("reading the shared memory limit: {e}"),
-                )
-            })?;
-        if smem as i64 > optin as i64 {
-            return Err(err(
-                symbol,
-                shape,
-                format!("needs {smem} B of shared memory per block; this GPU allows {optin} B (no smaller tile is compiled for this head_dim yet)"),
-            ));
-        }
-        f.set_attribute(
-            Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
+        raise_smem(ctx, &f, smem, symbol, shape)?;
+    }
+    fns.insert(fkey, (f.clone(), smem.max(48 * 1024)));
+    Ok(f)
+}
+
+/// Raises `f`'s dynamic shared memory limit to `smem` bytes, after checking the device allows it.
+fn raise_smem(
+    ctx: &cudarc::driver::CudaContext,
+    f: &CudaFunction,
+    smem: u32,
+    symbol: &str,
+    shape: &str,
+) -> candle_core::Result<()> {
+    use cudarc::driver::sys::CUdevice_attribute as DevAttr;
+    let optin = ctx
+        .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         .map_err(|e| {
             err(
                 symbol,
                 shape,
-                format!("setting {smem} B of dynamic shared memory: {e}"),
+                format!("reading the shared memory limit: {e}"),
             )
         })?;
+    if smem as i64 > optin as i64 {
+        return Err(err(
+            symbol,
+            shape,
+            format!("needs {smem} B of shared memory per block; this GPU allows {optin} B (no smaller tile is compiled for this head_dim yet)"),
+        ));
     }
-    fns.insert(fkey, (f.clone(), smem.max(48 * 1024)));
-    Ok(f)
+    f.set_attribute(
+        Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(|e| {
+        err(
+            symbol,
+            shape,
+            format!("setting {smem} B of dynamic shared memory: {e}"),
+        )
+    })
 }
 
 /// Launches `f(params)` and checks the launch. With `FLASHCORE_SYNC=1` it also synchronises

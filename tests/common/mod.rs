@@ -159,3 +159,34 @@ pub fn rounding_floor(dtype: DType, magnitude: f64) -> f64 {
     };
     2.0 * eps * magnitude.max(1e-3) + 1e-6
 }
+
+/// Xorshift generator seeded from the clock (fresh problems every run); the seed is printed so a
+/// failure can be reproduced.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn from_clock(label: &str) -> Rng {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64
+            | 1;
+        println!("{label}: seed {seed}");
+        Rng(seed)
+    }
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+/// Number of random problems for the GPU tests (`FLASHCORE_RANDOM_CASES`, default 100).
+pub fn random_cases() -> usize {
+    std::env::var("FLASHCORE_RANDOM_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100)
+}

@@ -1,0 +1,6 @@
+#include "common/params.h"
+#include "sm80/fwd.cuh"
+#include "reg.h"
+#include "configs.h"
+CFG_D256(FCI)
+void reg_d256(std::vector<KEntry>& v) { CFG_D256(FCR) }
