@@ -47,6 +47,23 @@ macro_rules! acc {
 acc!(f32);
 acc!(f64);
 
+/// Dot product with four independent partial sums (lets the compiler vectorise it).
+fn dot<A: Acc>(a: &[A], b: &[A]) -> A {
+    let mut acc = [A::ZERO; 4];
+    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..4 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut tail = A::ZERO;
+    for (x, y) in ra.iter().zip(rb) {
+        tail += *x * *y;
+    }
+    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
+}
+
 /// Keys visible to query row `i`: the half-open range `lo..hi` (empty when `lo >= hi`).
 pub(crate) fn visible_keys(i: usize, sq: usize, sk: usize, mask: Mask) -> (usize, usize) {
     let diag = i as i64 + sk as i64 - sq as i64;
@@ -80,90 +97,95 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
     let units: Vec<(usize, usize)> = (0..b)
         .flat_map(|bi| (0..hkv).map(move |g| (bi, g)))
         .collect();
-    let nthreads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(units.len())
-        .max(1);
-    let results: Vec<Vec<HeadResult<A>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..nthreads)
-            .map(|t| {
-                let units = &units;
-                s.spawn(move || {
-                    let mut res = Vec::new();
-                    let mut kbuf = vec![A::ZERO; sk * d];
-                    let mut vbuf = vec![A::ZERO; sk * d];
-                    let mut scores = vec![A::ZERO; sk];
-                    for &(bi, g) in units.iter().skip(t).step_by(nthreads) {
-                        for j in 0..sk {
-                            let ko = bi * p.k_strides[0] + j * p.k_strides[1] + g * p.k_strides[2];
-                            let vo = bi * p.v_strides[0] + j * p.v_strides[1] + g * p.v_strides[2];
-                            for x in 0..d {
-                                kbuf[j * d + x] = A::of(k[ko + x].to_f64());
-                                vbuf[j * d + x] = A::of(v[vo + x].to_f64());
-                            }
+    // Threads only pay for themselves on real work (spawning costs more than a decode step).
+    let work = b * hq * sq * sk * d;
+    let nthreads = if work < 1 << 22 {
+        1
+    } else {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(units.len())
+            .max(1)
+    };
+    let worker = |t: usize| -> Vec<HeadResult<A>> {
+        let mut res = Vec::new();
+        let mut kbuf = vec![A::ZERO; sk * d];
+        let mut vbuf = vec![A::ZERO; sk * d];
+        let mut scores = vec![A::ZERO; sk];
+        for &(bi, g) in units.iter().skip(t).step_by(nthreads) {
+            for j in 0..sk {
+                let ko = bi * p.k_strides[0] + j * p.k_strides[1] + g * p.k_strides[2];
+                let vo = bi * p.v_strides[0] + j * p.v_strides[1] + g * p.v_strides[2];
+                for x in 0..d {
+                    kbuf[j * d + x] = A::of(k[ko + x].to_f64());
+                    vbuf[j * d + x] = A::of(v[vo + x].to_f64());
+                }
+            }
+            for h in g * ratio..(g + 1) * ratio {
+                let slope = slopes.map(|s| A::of(s[h] as f64));
+                let mut o_head = vec![A::ZERO; sq * d];
+                let mut l_head = vec![f32::NEG_INFINITY; sq];
+                let mut qrow = vec![A::ZERO; d];
+                for i in 0..sq {
+                    let (lo, hi) = visible_keys(i, sq, sk, p.mask);
+                    if lo >= hi {
+                        continue;
+                    }
+                    let qo = bi * p.q_strides[0] + i * p.q_strides[1] + h * p.q_strides[2];
+                    for x in 0..d {
+                        qrow[x] = A::of(q[qo + x].to_f64());
+                    }
+                    let diag = i as f64 + sk as f64 - sq as f64;
+                    let mut m = A::NEG_INF;
+                    for j in lo..hi {
+                        let kr = &kbuf[j * d..(j + 1) * d];
+                        let mut s = dot(&qrow, kr) * scale;
+                        if let Some(c) = softcap {
+                            s = c * (s / c).tanh();
                         }
-                        for h in g * ratio..(g + 1) * ratio {
-                            let slope = slopes.map(|s| A::of(s[h] as f64));
-                            let mut o_head = vec![A::ZERO; sq * d];
-                            let mut l_head = vec![f32::NEG_INFINITY; sq];
-                            let mut qrow = vec![A::ZERO; d];
-                            for i in 0..sq {
-                                let (lo, hi) = visible_keys(i, sq, sk, p.mask);
-                                if lo >= hi {
-                                    continue;
-                                }
-                                let qo =
-                                    bi * p.q_strides[0] + i * p.q_strides[1] + h * p.q_strides[2];
-                                for x in 0..d {
-                                    qrow[x] = A::of(q[qo + x].to_f64());
-                                }
-                                let diag = i as f64 + sk as f64 - sq as f64;
-                                let mut m = A::NEG_INF;
-                                for j in lo..hi {
-                                    let kr = &kbuf[j * d..(j + 1) * d];
-                                    let mut acc = A::ZERO;
-                                    for x in 0..d {
-                                        acc += qrow[x] * kr[x];
-                                    }
-                                    let mut s = acc * scale;
-                                    if let Some(c) = softcap {
-                                        s = c * (s / c).tanh();
-                                    }
-                                    if let Some(sl) = slope {
-                                        s = s - sl * A::of((j as f64 - diag).abs());
-                                    }
-                                    scores[j] = s;
-                                    if s > m {
-                                        m = s;
-                                    }
-                                }
-                                let mut l = A::ZERO;
-                                let orow = &mut o_head[i * d..(i + 1) * d];
-                                for j in lo..hi {
-                                    let pj = (scores[j] - m).exp();
-                                    l += pj;
-                                    let vr = &vbuf[j * d..(j + 1) * d];
-                                    for x in 0..d {
-                                        orow[x] += pj * vr[x];
-                                    }
-                                }
-                                for o in orow.iter_mut() {
-                                    *o = *o / l;
-                                }
-                                l_head[i] = (m.f64() + l.f64().ln()) as f32;
-                            }
-                            res.push((bi, h, o_head, l_head));
+                        if let Some(sl) = slope {
+                            s = s - sl * A::of((j as f64 - diag).abs());
+                        }
+                        scores[j] = s;
+                        if s > m {
+                            m = s;
                         }
                     }
-                    res
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("flashcore: CPU worker panicked"))
-            .collect()
-    });
+                    let mut l = A::ZERO;
+                    let orow = &mut o_head[i * d..(i + 1) * d];
+                    for j in lo..hi {
+                        let pj = (scores[j] - m).exp();
+                        l += pj;
+                        let vr = &vbuf[j * d..(j + 1) * d];
+                        for x in 0..d {
+                            orow[x] += pj * vr[x];
+                        }
+                    }
+                    for o in orow.iter_mut() {
+                        *o = *o / l;
+                    }
+                    l_head[i] = (m.f64() + l.f64().ln()) as f32;
+                }
+                res.push((bi, h, o_head, l_head));
+            }
+        }
+        res
+    };
+    let results: Vec<Vec<HeadResult<A>>> = if nthreads == 1 {
+        vec![worker(0)]
+    } else {
+        std::thread::scope(|s| {
+            let worker = &worker;
+            let handles: Vec<_> = (1..nthreads).map(|t| s.spawn(move || worker(t))).collect();
+            let mut all = vec![worker(0)];
+            all.extend(
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("flashcore: CPU worker panicked")),
+            );
+            all
+        })
+    };
     for (bi, h, o_head, l_head) in results.into_iter().flatten() {
         for i in 0..sq {
             let dst = ((bi * sq + i) * hq + h) * d;
