@@ -71,6 +71,9 @@ pub(crate) struct Problem {
     pub scale: f32,
     pub mask: Mask,
     pub softcap: Option<f32>,
+    /// Whether ALiBi slopes were given (the tensor itself travels beside the problem).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub alibi: bool,
     /// Strides `(batch, row, head)` in elements for q, k, v; the last dim has stride 1.
     pub q_strides: [usize; 3],
     pub k_strides: [usize; 3],
@@ -254,6 +257,7 @@ pub(crate) fn validate(
         scale,
         mask: p.mask.canonical(),
         softcap: p.softcap,
+        alibi: p.alibi_slopes.is_some(),
         q_strides,
         k_strides,
         v_strides,

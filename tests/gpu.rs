@@ -226,6 +226,14 @@ fn unsupported_options_error_clearly() -> Result<()> {
         e.contains("no CUDA kernel for softcap") && e.contains("sq=8"),
         "{e}"
     );
+    let p = AttnParams {
+        alibi_slopes: Some(Tensor::ones(2, DType::F32, &dev)?),
+        ..Default::default()
+    };
+    let e = flashcore::attention(&q, &k, &v, &p)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no CUDA kernel for ALiBi slopes"), "{e}");
     Ok(())
 }
 

@@ -165,6 +165,9 @@ fn choose(p: &Problem, arch: Arch) -> Result<&'static Variant> {
     if p.softcap.is_some() {
         return Err(unsupported("softcap".into()));
     }
+    if p.alibi {
+        return Err(unsupported("ALiBi slopes".into()));
+    }
     let mask = kmask(p.mask);
     let d = p.d as u32;
     let mut candidates: Vec<(&str, KKind)> = Vec::new();
