@@ -50,15 +50,9 @@ pub(crate) fn function(
         match mods.get(&mkey) {
             Some(m) => m.clone(),
             None => {
-                let image = variants::fatbin(family).ok_or_else(|| {
-                    err(
-                        symbol,
-                        shape,
-                        format!("no fatbin for kernel family {family}"),
-                    )
-                })?;
+                let image = fatbin_image(family).map_err(|e| err(symbol, shape, e))?;
                 let m = ctx
-                    .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))
+                    .load_module(cudarc::nvrtc::Ptx::from_binary(image))
                     .map_err(|e| err(symbol, shape, format!("loading the {family} fatbin: {e}")))?;
                 mods.insert(mkey, m.clone());
                 m
@@ -77,6 +71,22 @@ pub(crate) fn function(
     }
     fns.insert(fkey, (f.clone(), smem.max(48 * 1024)));
     Ok(f)
+}
+
+/// The fatbin of `family`: the one embedded at build time or, when `FLASHCORE_FATBIN_DIR` is
+/// set and holds `fc_<family>.fatbin`, that file (a kernel-development aid: try a rebuilt
+/// kernel family with the same variant table without relinking; see dev/README.md).
+fn fatbin_image(family: &str) -> Result<Vec<u8>, String> {
+    if let Some(dir) = std::env::var_os("FLASHCORE_FATBIN_DIR") {
+        let path = std::path::Path::new(&dir).join(format!("fc_{family}.fatbin"));
+        if path.exists() {
+            return std::fs::read(&path)
+                .map_err(|e| format!("reading {} (FLASHCORE_FATBIN_DIR): {e}", path.display()));
+        }
+    }
+    variants::fatbin(family)
+        .map(|b| b.to_vec())
+        .ok_or_else(|| format!("no fatbin for kernel family {family}"))
 }
 
 /// Raises `f`'s dynamic shared memory limit to `smem` bytes, after checking the device allows it.
@@ -144,12 +154,74 @@ pub(crate) fn launch_params(
     check_sync(stream, kernel, shape)
 }
 
+/// Launches `f(params)` as a programmatic dependent of the previous kernel on `stream`
+/// (`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, sm_90+): the grid may be scheduled
+/// while the previous one drains, and must execute `griddepcontrol.wait` before it reads that
+/// kernel's output. Checked like [`launch_params`].
+pub(crate) fn launch_params_pdl(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    params: &FcParams,
+    kernel: &str,
+    shape: &str,
+) -> candle_core::Result<()> {
+    use cudarc::driver::sys;
+    let fail = |what: String| {
+        err(
+            kernel,
+            shape,
+            format!(
+                "{what} (grid {:?}, block {:?}, smem {} B, programmatic dependent launch)",
+                cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes
+            ),
+        )
+    };
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| fail(format!("binding the context: {e}")))?;
+    // SAFETY: a zeroed attribute value is valid for every union member; we set the one we use.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut args = [params as *const FcParams as *mut std::ffi::c_void];
+    // SAFETY: the kernel's signature is `(const FcParams)`; `args` holds one pointer to it, alive
+    // for the call (the driver copies parameters at launch). Pointers inside `params` refer to
+    // live allocations (checked by the caller).
+    let r = unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            f.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(fail(format!("launch failed: {r:?}")));
+    }
+    check_sync(stream, kernel, shape)
+}
+
 pub(crate) fn check_sync(
     stream: &Arc<CudaStream>,
     kernel: &str,
     shape: &str,
 ) -> candle_core::Result<()> {
-    if std::env::var_os("FLASHCORE_SYNC").is_some_and(|v| v != "0") {
+    static SYNC: OnceLock<bool> = OnceLock::new();
+    if *SYNC.get_or_init(|| std::env::var_os("FLASHCORE_SYNC").is_some_and(|v| v != "0")) {
         stream
             .synchronize()
             .map_err(|e| err(kernel, shape, format!("failed while running: {e}")))?;

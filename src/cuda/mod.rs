@@ -27,7 +27,9 @@ pub fn set_poison_outputs(on: bool) {
 }
 
 fn poison_on() -> bool {
-    POISON.load(Ordering::Relaxed) || std::env::var_os("FLASHCORE_POISON").is_some_and(|v| v != "0")
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    POISON.load(Ordering::Relaxed)
+        || *ENV.get_or_init(|| std::env::var_os("FLASHCORE_POISON").is_some_and(|v| v != "0"))
 }
 
 /// Fills a CUDA tensor's storage with NaN (the pipeline check of the crate's tiny kernels).
@@ -276,7 +278,8 @@ fn decode(
 ) -> Result<()> {
     let symbol = variant.symbol();
     let stream = dev.cuda_stream();
-    let sms = device_info(dev)?.sm_count;
+    let info = device_info(dev)?;
+    let sms = info.sm_count;
     let (bm, bn) = (variant.block_m as usize, variant.block_n as usize);
     let splits = decode_num_splits(p.b, p.hkv, p.hq, p.sq, p.sk, sms, bm, bn);
     let row_blocks = (p.h_ratio() * p.sq).div_ceil(bm);
@@ -298,13 +301,12 @@ fn decode(
         return launch::launch_params(&stream, f, cfg, &prm, &symbol, shape);
     }
     let n_lse = splits * p.b * p.hq * p.sq;
-    let o_part: CudaSlice<f32> = alloc_out(dev, n_lse * p.d, shape)?;
-    let l_part: CudaSlice<f32> = alloc_out(dev, n_lse, shape)?;
-    let (opp, _g1) = o_part.device_ptr(&stream);
-    let (lpp, _g2) = l_part.device_ptr(&stream);
+    // One allocation for both partials (O first: n_lse * d floats, 16-byte aligned; then LSE).
+    let part: CudaSlice<f32> = alloc_out(dev, n_lse * (p.d + 1), shape)?;
+    let (opp, _g1) = part.device_ptr(&stream);
+    let lpp = opp + (n_lse * p.d * 4) as u64;
     if poison_on() {
-        launch::fill(&stream, opp, n_lse * p.d, 4, 0x7FC0_0000)?;
-        launch::fill(&stream, lpp, n_lse, 4, 0x7FC0_0000)?;
+        launch::fill(&stream, opp, n_lse * (p.d + 1), 4, 0x7FC0_0000)?;
     }
     prm.o_partial = opp;
     prm.lse_partial = lpp;
@@ -318,14 +320,15 @@ fn decode(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    launch::launch_params(
-        &stream,
-        &cf,
-        ccfg,
-        &prm,
-        &csym,
-        &format!("{shape} splits={splits}"),
-    )
+    let cshape = format!("{shape} splits={splits}");
+    // On 9.x the fatbin's sm_90 SASS runs, whose combine waits with griddepcontrol.wait: launch it
+    // as a programmatic dependent so it is scheduled while the split grid drains. Elsewhere
+    // (sm_8x SASS, or PTX JIT-compiled for a newer GPU) the wait is compiled out: plain launch.
+    if info.major == 9 {
+        launch::launch_params_pdl(&stream, &cf, ccfg, &prm, &csym, &cshape)
+    } else {
+        launch::launch_params(&stream, &cf, ccfg, &prm, &csym, &cshape)
+    }
 }
 
 /// Runs the forward on CUDA storages; returns (O, LSE).
