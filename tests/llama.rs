@@ -430,3 +430,26 @@ fn smollm2_gguf_says_paris_with_both_backends() -> Result<()> {
     assert!(text_e.contains("Paris"), "answer without Paris: {text_e:?}");
     Ok(())
 }
+
+/// The eager baseline computes long prefills in query-row chunks (candle's element-wise CUDA
+/// kernels take 32-bit element counts): chunked and whole give the same output.
+#[test]
+fn eager_attention_chunks_match_whole() -> Result<()> {
+    let dev = Device::Cpu;
+    let (b, t, l, hq, hkv, d) = (2, 37, 53, 4, 2, 16);
+    let q = Tensor::randn(0f32, 1., (b, t, hq, d), &dev)?;
+    let k = Tensor::randn(0f32, 1., (b, l, hkv, d), &dev)?;
+    let v = Tensor::randn(0f32, 1., (b, l, hkv, d), &dev)?;
+    let mask = model::causal_mask(t, l, &dev)?;
+    let whole = model::eager_attention_chunked(&q, &k, &v, mask.as_ref(), usize::MAX)?;
+    // 5 query rows per chunk: 8 chunks, the last one ragged.
+    let chunked = model::eager_attention_chunked(&q, &k, &v, mask.as_ref(), b * hq * l * 5)?;
+    assert_eq!(chunked.dims(), &[b, t, hq, d]);
+    let diff = (whole - chunked)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    assert!(diff < 1e-5, "chunked eager differs from whole by {diff}");
+    Ok(())
+}

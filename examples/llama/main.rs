@@ -110,6 +110,11 @@ struct Args {
     #[arg(long)]
     system: Option<String>,
 
+    /// Allow N positions (prompt + new tokens), beyond the model's trained context if larger:
+    /// for throughput runs at long prompts (quality past the trained context is not the point).
+    #[arg(long, value_name = "N")]
+    max_positions: Option<usize>,
+
     /// Run dtype (default: bf16 on CUDA, f32 on CPU).
     #[arg(long, value_enum)]
     dtype: Option<Dtype>,
@@ -364,6 +369,9 @@ fn main() -> Result<()> {
     let attn: AttnBackend = args.attn.into();
     let loaded = load::load(&source, args.tokenizer.as_deref(), dtype, &device, attn)?;
     let mut model = loaded.model;
+    if let Some(n) = args.max_positions {
+        model.set_max_positions(n)?;
+    }
     let tok = loaded.tokenizer.as_ref();
     let cfg = model.config().clone();
     eprintln!(
@@ -398,7 +406,7 @@ fn main() -> Result<()> {
     let max_seq = prompt.len() + extra;
     if max_seq > cfg.max_position_embeddings {
         bail!(
-            "prompt ({}) + new tokens ({extra}) exceed the model's {} positions",
+            "prompt ({}) + new tokens ({extra}) exceed the model's {} positions (--max-positions N raises it)",
             prompt.len(),
             cfg.max_position_embeddings
         )

@@ -467,21 +467,54 @@ fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
         .reshape((b, hkv * n_rep, l, d))?)
 }
 
+/// Largest score tensor (elements) the eager path materialises at once. candle's element-wise
+/// CUDA kernels take the element count as a 32-bit launch size (a (1, 32, 16384, 16384) score
+/// tensor has 2^33 elements and fails with CUDA_ERROR_INVALID_VALUE), so long prefills are
+/// computed in query-row chunks of at most this many scores.
+const EAGER_MAX_SCORES: usize = 1 << 30;
+
 /// The candle-ops baseline: scores in the run dtype, mask and softmax in f32, then `P v`.
 fn eager_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
-    let (_, _, hq, d) = q.dims4()?;
-    let hkv = k.dim(2)?;
+    eager_attention_chunked(q, k, v, mask, EAGER_MAX_SCORES)
+}
+
+/// [`eager_attention`] with at most `max_scores` score elements materialised at once.
+pub fn eager_attention_chunked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    max_scores: usize,
+) -> Result<Tensor> {
+    let (b, t, hq, d) = q.dims4()?;
+    let (l, hkv) = (k.dim(1)?, k.dim(2)?);
     let n_rep = hq / hkv;
     let q = q.transpose(1, 2)?.contiguous()?; // (b, hq, t, d)
     let k = repeat_kv(&k.transpose(1, 2)?, n_rep)?; // (b, hq, L, d)
     let v = repeat_kv(&v.transpose(1, 2)?, n_rep)?;
-    let scores = (q.matmul(&k.t()?)? * softmax_scale(d))?.to_dtype(DType::F32)?; // (b, hq, t, L)
-    let scores = match mask {
-        Some(m) => scores.broadcast_add(m)?,
-        None => scores,
+    let rows = (max_scores / (b * hq * l).max(1)).clamp(1, t.max(1));
+    let mut outs = Vec::with_capacity(t.div_ceil(rows));
+    for r0 in (0..t).step_by(rows) {
+        let n = rows.min(t - r0);
+        let qc = if n == t {
+            q.clone()
+        } else {
+            q.narrow(2, r0, n)?
+        };
+        let scores = (qc.matmul(&k.t()?)? * softmax_scale(d))?.to_dtype(DType::F32)?; // (b, hq, n, L)
+        let scores = match mask {
+            Some(m) => scores.broadcast_add(&m.narrow(0, r0, n)?)?,
+            None => scores,
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+        outs.push(probs.matmul(&v)?);
+    }
+    let o = if outs.len() == 1 {
+        outs.pop().expect("one chunk")
+    } else {
+        Tensor::cat(&outs, 2)?
     };
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
-    Ok(probs.matmul(&v)?.transpose(1, 2)?) // (b, t, hq, d)
+    Ok(o.transpose(1, 2)?) // (b, t, hq, d)
 }
 
 /// Rotary tables `(max_pos, head_dim / 2)` in the run dtype, half-split convention.
@@ -601,6 +634,15 @@ impl Model {
 
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// Rebuilds the rotary table for `n` positions and lets the model run that far, beyond the
+    /// context it was trained for when `n` is larger (throughput runs at long prompts).
+    pub fn set_max_positions(&mut self, n: usize) -> Result<()> {
+        let (dtype, device) = (self.rope.cos.dtype(), self.rope.cos.device().clone());
+        self.rope = Rope::new(&self.cfg, n, dtype, &device)?;
+        self.cfg.max_position_embeddings = n;
+        Ok(())
     }
 
     /// Final hidden states `(b, t, hidden)` for `tokens` `(b, t)` u32, placed after the
