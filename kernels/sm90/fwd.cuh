@@ -6,14 +6,13 @@
 // (masked) one down to 0. Per consumer: S = Q K^T with SS wgmma (K-major, SW128), online softmax in
 // registers (exp2, scale_log2 folded), P packed to 16-bit registers, O += P V with RS wgmma (V is
 // MN-major in smem, imm-trans-b = 1). Intra-warpgroup overlap: QK^T of tile i is issued before the
-// P V of tile i-1, and the source places the softmax of tile i before the wait for that P V (NOTE:
-// ptxas 13.0 hoists that wait above the softmax in SASS; .scratch/sm90/fwd_v4_overlapfix_UNTESTED.cuh
-// moves the wait past the loop back-edge to fix this, not yet validated on the device). Optional
-// ping-pong between consumer warpgroups (named barriers 1..NC) hands the tensor cores from one to the
-// next. Persistent tile loop (any grid size, see below). Epilogue: 1/l, O staged (swizzled) in a
-// separate O buffer when it fits in smem (then Q of the next tile loads right after the last Q K^T),
-// else in the warpgroup's own slice of the Q buffer; 16-byte coalesced global stores of rows < sq;
-// LSE (natural log) f32; empty rows O = 0, LSE = -inf.
+// P V of tile i-1, and the softmax of tile i runs while that P V is in flight (the wait for that
+// P V sits after the loop back-edge, so ptxas cannot hoist it above the softmax: v4, session 2).
+// Optional ping-pong between consumer warpgroups (named barriers 1..NC) hands the tensor cores
+// from one to the next. Persistent tile loop (any grid size, see below). Epilogue: 1/l, O staged
+// (swizzled) in a separate O buffer when it fits in smem (then Q of the next tile loads right
+// after the last Q K^T), else in the warpgroup's own slice of the Q buffer; 16-byte coalesced
+// global stores of rows < sq; LSE (natural log) f32; empty rows O = 0, LSE = -inf.
 //
 // ---------------------------------------------------------------------------------------------
 // LAUNCH CONTRACT (host side; see .scratch/sm90/harness.cu make_maps() for the reference code)
@@ -361,14 +360,24 @@ struct FwdSm90 {
             fence_regs(s);
             if (t128 == 0) mbar_arrive(empty_k(ks.stage));
             ks.advance();
-            {
-                float alpha[2];
-                softmax(NT - 1, alpha);
-                convert_p();
-            }
-            // ---- steady state: issue S_i = Q K_i^T and O += P_{i-1} V_{i-1}; softmax_i overlaps P V ----
+            float alpha[2];
+            softmax(NT - 1, alpha);
+            // ---- steady state. Iteration i: finish tile i-1's P V (wait, release V, rescale O, P_{i-1}
+            // to registers), then issue S_i = Q K_i^T and O += P_{i-1} V_{i-1}; softmax_i overlaps that
+            // P V. The wait for P V sits at the top of the next iteration (after the loop back-edge) so
+            // ptxas cannot hoist it above the softmax. ----
             for (int i = 1; i < NT; ++i) {
                 const int n = NT - 1 - i;
+                wg_wait<0>();
+                fence_regs(o);
+                fence_regs(pa);
+                if (i >= 2) {
+                    if (t128 == 0) mbar_arrive(empty_v(vs.stage));
+                    vs.advance();
+                }
+#pragma unroll
+                for (int j = 0; j < D / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
+                convert_p();
                 mbar_wait(full_k(ks.stage), ks.phase);
                 sched_sync();
                 fence_regs(s);
@@ -385,17 +394,18 @@ struct FwdSm90 {
                 fence_regs(s);
                 if (t128 == 0) mbar_arrive(empty_k(ks.stage));
                 ks.advance();
-                float alpha[2];
                 softmax(n, alpha);
-                wg_wait<0>();
-                fence_regs(o);
-                fence_regs(pa);
+            }
+            wg_wait<0>();
+            fence_regs(o);
+            fence_regs(pa);
+            if (NT >= 2) {
                 if (t128 == 0) mbar_arrive(empty_v(vs.stage));
                 vs.advance();
-#pragma unroll
-                for (int j = 0; j < D / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
-                convert_p();
             }
+#pragma unroll
+            for (int j = 0; j < D / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
+            convert_p();
             // all Q K^T of this tile are complete: with a separate O buffer, Q can be reloaded now
             if (SEP_O && t128 == 0) mbar_arrive(q_empty);
             // ---- tail: O += P_{T-1} V_{T-1} ----
