@@ -130,7 +130,205 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
     }
 }
 
-template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES>
+// Tuning options of fwd_body (OPT bit mask). Every option computes the same result.
+//   FWD_LAZY: lazy O rescale. A row keeps its running max unless the tile's max exceeds it by
+//     more than 2^FWD_LAZY_LOG2 (exp2 units); P then lies in [0, 2^8] (exact in bf16/f16 up to
+//     the usual relative rounding) and the 128 FMULs per key tile that rescale O run only when
+//     some row of the warp raised its max (warp-uniform branch). l, O and LSE all use the same
+//     (possibly stale) max, so the normalised result is unchanged.
+//   (A software-pipelined schedule, next tile's Q.K^T beside the current softmax, was tried and
+//   dropped: it needs a second S tile, spills at 255 registers and measured 0-4% slower; the
+//   dev harness of session 2 in docs/perf.md.)
+//   FWD_XADDR: swizzled ldmatrix addresses as lane_base ^ (j << 5) (+ immediates) instead of four
+//     precomputed chunk offsets per operand, recomputed per tile from one laundered register:
+//     ~9 fewer registers live across the key loop, +1 LOP3 per ldmatrix address.
+enum { FWD_LAZY = 1, FWD_XADDR = 4 };
+
+__device__ __forceinline__ uint32_t launder32(uint32_t x) {
+    asm volatile("mov.b32 %0, %1;" : "=r"(x) : "r"(x));
+    return x;
+}
+// Address of 16-byte chunk group j (0..3) for a lane: XA: base already holds the lane's swizzled
+// chunk 0 and a 128-byte aligned row address, so ((c ^ sw) << 4) == base_bits ^ (j << 5).
+template <bool XA>
+__device__ __forceinline__ uint32_t lane_addr(uint32_t base, const uint32_t (&off)[4], int j) {
+    return XA ? (base ^ (uint32_t)(j << 5)) : base + off[j];
+}
+constexpr float FWD_LAZY_LOG2 = 8.f;
+
+// S = Q K^T for one key tile (Q fragments re-read from shared memory per k-step).
+template <typename T, int D, int MT, int NS, bool XA = false>
+__device__ __forceinline__ void qk_tile(float (&s)[MT][NS][4], uint32_t q_lane,
+                                        const uint32_t (&q_off)[4], uint32_t k_base,
+                                        const uint32_t (&k_off)[4]) {
+    constexpr int KD = D / 16;
+    if (XA) {
+        q_lane = launder32(q_lane);
+        k_base = launder32(k_base);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            ldsm_x4(a[mt], lane_addr<XA>(q_lane, q_off, kk & 3) + (mt * 16 * (D * 2) + (kk >> 2) * 128));
+#pragma unroll
+        for (int np = 0; np < NS / 2; ++np) {
+            uint32_t b[4];
+            ldsm_x4(b, lane_addr<XA>(k_base, k_off, kk & 3) + (np * 16 * (D * 2) + (kk >> 2) * 128));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                Elem<T>::mma(s[mt][2 * np], a[mt], b[0], b[1]);
+                Elem<T>::mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// -inf outside the visible band (ragged key tail, causal diagonal, window edges).
+template <int MASK, int BN, int MT, int NS>
+__device__ __forceinline__ void mask_tile(float (&s)[MT][NS][4], int nb, int warp_r0, int row_thr,
+                                          int lane, int sq, int sk, int wl, int wr) {
+    if (fc::tile_needs_mask<MASK, BN>(nb, warp_r0, warp_r0 + 16 * MT - 1, sq, sk, wl, wr)) {
+        // Re-read the lane id here instead of keeping per-lane row/column terms live across the
+        // key loop (register pressure).
+        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+        row_thr = warp_r0 + (lane >> 2);
+        const int col0 = nb * BN + 2 * (lane & 3);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                int lo, hi;
+                fc::band_limits<MASK>(row_thr + mt * 16 + hf * 8, sq, sk, wl, wr, lo, hi);
+#pragma unroll
+                for (int j = 0; j < NS; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = col0 + j * 8 + e;
+                        if (col >= hi || col < lo) s[mt][j][2 * hf + e] = FC_NEG_INF;
+                    }
+            }
+    }
+}
+
+// Online softmax of one S tile: s becomes P (unnormalised, f32), O and l are rescaled.
+template <bool LAZY, int MT, int NS, int ND>
+__device__ __forceinline__ void softmax_tile(float (&s)[MT][NS][4], float (&o)[MT][ND][4],
+                                             float (&row_m)[MT][2], float (&row_l)[MT][2],
+                                             float sl2) {
+    if (!LAZY) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                float mx = row_m[mt][hf];
+#pragma unroll
+                for (int j = 0; j < NS; ++j)
+                    mx = fmaxf(mx, fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]));
+                mx = fc::quad_max(mx);
+                float msc;
+                const float alpha = fc::online_rescale(row_m[mt][hf], mx, sl2, msc);
+                row_m[mt][hf] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < NS; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float pv = fc::exp2_approx(fmaf(s[mt][j][2 * hf + e], sl2, -msc));
+                        s[mt][j][2 * hf + e] = pv;
+                        sum += pv;
+                    }
+                row_l[mt][hf] = row_l[mt][hf] * alpha + sum;
+#pragma unroll
+                for (int j = 0; j < ND; ++j) {
+                    o[mt][j][2 * hf] *= alpha;
+                    o[mt][j][2 * hf + 1] *= alpha;
+                }
+            }
+    } else {
+        float alpha[MT][2];
+        bool up_any = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const float m_old = row_m[mt][hf];
+                float mx = m_old;
+#pragma unroll
+                for (int j = 0; j < NS; ++j)
+                    mx = fmaxf(mx, fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]));
+                mx = fc::quad_max(mx);
+                // mx >= m_old. (-inf) - (-inf) = NaN compares false: an empty row stays -inf.
+                // m_old = -inf with a finite mx gives +inf > threshold: first max is taken.
+                const bool up = (mx - m_old) * sl2 > FWD_LAZY_LOG2;
+                const float m_new = up ? mx : m_old;
+                const float msc = fc::max_scaled(m_new, sl2);
+                // m_old = -inf: exp2(-inf) = 0 (O and l are still zero).
+                alpha[mt][hf] = up ? fc::exp2_approx(m_old * sl2 - msc) : 1.f;
+                up_any |= up;
+                row_m[mt][hf] = m_new;
+                float sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < NS; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float pv = fc::exp2_approx(fmaf(s[mt][j][2 * hf + e], sl2, -msc));
+                        s[mt][j][2 * hf + e] = pv;
+                        sum += pv;
+                    }
+                row_l[mt][hf] = fmaf(row_l[mt][hf], alpha[mt][hf], sum);
+            }
+        if (__any_sync(0xffffffffu, up_any)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < ND; ++j) {
+                    o[mt][j][0] *= alpha[mt][0];
+                    o[mt][j][1] *= alpha[mt][0];
+                    o[mt][j][2] *= alpha[mt][1];
+                    o[mt][j][3] *= alpha[mt][1];
+                }
+        }
+    }
+}
+
+// O += P V, P straight from the S accumulators.
+template <typename T, int D, int MT, int NS, int ND, bool XA = false>
+__device__ __forceinline__ void pv_tile(const float (&s)[MT][NS][4], float (&o)[MT][ND][4],
+                                        uint32_t v_base, const uint32_t (&v_off)[4]) {
+    using E = Elem<T>;
+    if (XA) v_base = launder32(v_base);
+#pragma unroll
+    for (int kk = 0; kk < NS / 2; ++kk) {
+        uint32_t pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            pa[mt][0] = E::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+            pa[mt][1] = E::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+            pa[mt][2] = E::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+            pa[mt][3] = E::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < ND / 2; ++dp) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, lane_addr<XA>(v_base, v_off, dp & 3) + (kk * 16 * (D * 2) + (dp >> 2) * 128));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                E::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
+                E::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES, int OPT = 0>
 __device__ __forceinline__ void fwd_body(const FcParams& p) {
     static_assert(D == 64 || D == 128 || D == 256, "HEAD_DIM must be 64, 128 or 256");
     static_assert(BM % (16 * WARPS) == 0, "BLOCK_M must be a multiple of 16*WARPS");
@@ -192,15 +390,13 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
 
     // Prologue: Q and the first (highest) key tile.
     load_tile<BM, D, NTH>(sQ, qg, p.q_row_stride, rows_valid, tid);
-    {
-        const int nb = n_max - 1;
-        const int kv_valid = sk - nb * BN;
-        load_tile<BN, D, NTH>(sK, kg + (int64_t)nb * BN * p.k_row_stride, p.k_row_stride, kv_valid,
-                              tid);
-        if (STAGES == 2)
-            load_tile<BN, D, NTH>(sV, vg + (int64_t)nb * BN * p.v_row_stride, p.v_row_stride,
-                                  kv_valid, tid);
-    }
+    const int nb = n_max - 1;
+    const int kv_valid = sk - nb * BN;
+    load_tile<BN, D, NTH>(sK, kg + (int64_t)nb * BN * p.k_row_stride, p.k_row_stride, kv_valid,
+                          tid);
+    if (STAGES == 2)
+        load_tile<BN, D, NTH>(sV, vg + (int64_t)nb * BN * p.v_row_stride, p.v_row_stride,
+                              kv_valid, tid);
     cp_async_commit();
 
     // Per-lane ldmatrix geometry. Every tile row offset used below is a multiple of 8, so the
@@ -226,6 +422,12 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
         k_off[j] = ((2 * j + k_chunk) ^ sw) << 4;
         v_off[j] = ((2 * j + v_chunk) ^ sw) << 4;
     }
+    // XADDR: lane bases with the lane's swizzled chunk folded in (tile bases are 128-byte
+    // aligned, rows are D*2 >= 128 bytes, so bits [6:4] of the row address are zero).
+    constexpr bool XA = (OPT & FWD_XADDR) != 0;
+    const uint32_t q_lx = XA ? q_lane + q_off[0] : q_lane;
+    const uint32_t k_lx = XA ? k_lane_row + k_off[0] : k_lane_row;
+    const uint32_t v_lx = XA ? v_lane_row + v_off[0] : v_lane_row;
 
     uint32_t qr[QREG_MT][QREG_KD][4];
     float o[MT][ND][4];
@@ -279,53 +481,61 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
 
         // S = Q K^T
         float s[MT][NS][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < NS; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < KD; ++kk) {
-            uint32_t a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (Q_IN_REGS) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) a[mt][e] = qr[Q_IN_REGS ? mt : 0][Q_IN_REGS ? kk : 0][e];
-                } else {
-                    ldsm_x4(a[mt], q_lane + mt * 16 * (D * 2) + (kk >> 2) * 128 + q_off[kk & 3]);
-                }
-            }
-#pragma unroll
-            for (int np = 0; np < NS / 2; ++np) {
-                uint32_t b[4];
-                ldsm_x4(b, sKs + k_lane_row + k_off[kk & 3] + (np * 16 * (D * 2) + (kk >> 2) * 128));
-#pragma unroll
+        if constexpr (XA && !Q_IN_REGS) {
+            qk_tile<T, D, MT, NS, XA>(s, q_lx, q_off, sKs + k_lx, k_off);
+        } else {
+    #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+                for (int j = 0; j < NS; ++j)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
+    #pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+                uint32_t a[MT][4];
+    #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    E::mma(s[mt][2 * np], a[mt], b[0], b[1]);
-                    E::mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    if (Q_IN_REGS) {
+    #pragma unroll
+                        for (int e = 0; e < 4; ++e) a[mt][e] = qr[Q_IN_REGS ? mt : 0][Q_IN_REGS ? kk : 0][e];
+                    } else {
+                        ldsm_x4(a[mt], q_lane + mt * 16 * (D * 2) + (kk >> 2) * 128 + q_off[kk & 3]);
+                    }
+                }
+    #pragma unroll
+                for (int np = 0; np < NS / 2; ++np) {
+                    uint32_t b[4];
+                    ldsm_x4(b, sKs + k_lane_row + k_off[kk & 3] + (np * 16 * (D * 2) + (kk >> 2) * 128));
+    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        E::mma(s[mt][2 * np], a[mt], b[0], b[1]);
+                        E::mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    }
                 }
             }
         }
 
         // Mask (ragged key tail, causal diagonal, window edges) only where needed.
-        if (fc::tile_needs_mask<MASK, BN>(nb, warp_r0, warp_r0 + 16 * MT - 1, sq, sk, wl, wr)) {
-            const int col0 = nb * BN + 2 * (lane & 3);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    int lo, hi;
-                    fc::band_limits<MASK>(row_thr + mt * 16 + hf * 8, sq, sk, wl, wr, lo, hi);
-#pragma unroll
-                    for (int j = 0; j < NS; ++j)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int col = col0 + j * 8 + e;
-                            if (col >= hi || col < lo) s[mt][j][2 * hf + e] = FC_NEG_INF;
-                        }
-                }
+        if constexpr (OPT != 0) {
+            mask_tile<MASK, BN, MT, NS>(s, nb, warp_r0, row_thr, lane, sq, sk, wl, wr);
+        } else {
+            if (fc::tile_needs_mask<MASK, BN>(nb, warp_r0, warp_r0 + 16 * MT - 1, sq, sk, wl, wr)) {
+                const int col0 = nb * BN + 2 * (lane & 3);
+    #pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        int lo, hi;
+                        fc::band_limits<MASK>(row_thr + mt * 16 + hf * 8, sq, sk, wl, wr, lo, hi);
+    #pragma unroll
+                        for (int j = 0; j < NS; ++j)
+    #pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                const int col = col0 + j * 8 + e;
+                                if (col >= hi || col < lo) s[mt][j][2 * hf + e] = FC_NEG_INF;
+                            }
+                    }
+            }
         }
 
         if (STAGES == 1) {
@@ -340,60 +550,38 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
         }
 
         // Online softmax.
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                float mx = row_m[mt][hf];
-#pragma unroll
-                for (int j = 0; j < NS; ++j)
-                    mx = fmaxf(mx, fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]));
-                mx = fc::quad_max(mx);
-                float msc;
-                const float alpha = fc::online_rescale(row_m[mt][hf], mx, sl2, msc);
-                row_m[mt][hf] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int j = 0; j < NS; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float pv = fc::exp2_approx(fmaf(s[mt][j][2 * hf + e], sl2, -msc));
-                        s[mt][j][2 * hf + e] = pv;
-                        sum += pv;
-                    }
-                row_l[mt][hf] = row_l[mt][hf] * alpha + sum;
-#pragma unroll
-                for (int j = 0; j < ND; ++j) {
-                    o[mt][j][2 * hf] *= alpha;
-                    o[mt][j][2 * hf + 1] *= alpha;
-                }
-            }
+        softmax_tile<(OPT & FWD_LAZY) != 0>(s, o, row_m, row_l, sl2);
 
         // O += P V, P straight from the S accumulators (C layout == A layout).
-#pragma unroll
-        for (int kk = 0; kk < NS / 2; ++kk) {
-            uint32_t pa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = E::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = E::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = E::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = E::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int dp = 0; dp < ND / 2; ++dp) {
-                uint32_t b[4];
-                ldsm_x4_trans(b, sVs + v_lane_row + v_off[dp & 3] +
-                                     (kk * 16 * (D * 2) + (dp >> 2) * 128));
-#pragma unroll
+        if constexpr (XA) {
+            pv_tile<T, D, MT, NS, ND, XA>(s, o, sVs + v_lx, v_off);
+        } else {
+    #pragma unroll
+            for (int kk = 0; kk < NS / 2; ++kk) {
+                uint32_t pa[MT][4];
+    #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    E::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
-                    E::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+                    pa[mt][0] = E::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    pa[mt][1] = E::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    pa[mt][2] = E::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    pa[mt][3] = E::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
+    #pragma unroll
+                for (int dp = 0; dp < ND / 2; ++dp) {
+                    uint32_t b[4];
+                    ldsm_x4_trans(b, sVs + v_lane_row + v_off[dp & 3] +
+                                         (kk * 16 * (D * 2) + (dp >> 2) * 128));
+    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        E::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
+                        E::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+                    }
                 }
             }
         }
         if (STAGES == 2) stage ^= 1;
     }
+
 
     // Epilogue: normalise, LSE, stage O through this warp's own Q rows (only this warp ever
     // read them), then 16-byte coalesced stores.
@@ -440,8 +628,26 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
 
 }  // namespace fc_sm80
 
+namespace fc_sm80 {
+// OPT used by FC_SM80_FWD (the variant table's macro) for a tile shape. Ship a measured winner by
+// returning its bits here, e.g. `return (D == 128 && BM == 128 && BN == 32) ? FWD_LAZY : 0;`.
+__host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WARPS, int STAGES) {
+    // Measured on the H100 (sm_90 SASS, bf16, fa3 grid; docs/perf.md, session 2):
+    //   d64 / d128 (4 warps): lazy rescale + XOR ldmatrix addressing, +5-10% over the plain
+    //   schedule (d128 0.94-0.98x -> 1.04-1.07x FA2);
+    //   d256 (8 warps, one m16 tile per warp): the lazy rescale costs 5-7%, XOR addressing is
+    //   neutral: plain schedule.
+    return D == 256 ? 0 : (FWD_LAZY | FWD_XADDR);
+}
+}  // namespace fc_sm80
+
 #define FC_SM80_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES)            \
+    FC_SM80_FWD_OPT(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES,             \
+                    fc_sm80::fwd_default_opt(HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES))
+
+// OPT: bit mask of fc_sm80::FWD_LAZY / FWD_XADDR (1 / 4); 0 = the plain schedule.
+#define FC_SM80_FWD_OPT(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT)   \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32)                                 \
         SYMBOL(const __grid_constant__ FcParams p) {                                           \
-        fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES>(p);            \
+        fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT>(p);       \
     }
