@@ -355,8 +355,11 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     const int lane = tid & 31;
     const int warp = tid >> 5;
     // Causal/local: heaviest query blocks first (better tail across the grid).
-    const int m_block = MASK != 0 ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const int h = blockIdx.y;
+    // Grid (m_blocks, hq, b) without a mask. Causal/local: grid (hq, m_blocks, b), heaviest query
+    // blocks first across every head (blocks are issued x-fastest), so the last wave holds the
+    // lightest tiles.
+    const int m_block = MASK != 0 ? (int)(gridDim.y - 1 - blockIdx.y) : (int)blockIdx.x;
+    const int h = MASK != 0 ? (int)blockIdx.x : (int)blockIdx.y;
     const int bz = blockIdx.z;
     const int hk = h / p.h_ratio;
     const int sq = p.sq, sk = p.sk;

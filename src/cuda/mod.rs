@@ -512,15 +512,22 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         }
         KKind::Fwd => {
             let m_blocks = p.sq.div_ceil(variant.block_m as usize);
-            if p.hq > 65535 || p.b > 65535 {
+            // Masked kernels take (heads, query blocks, batch) and walk the query blocks
+            // heaviest first (kernels/sm80/fwd.cuh).
+            let (gx, gy) = if variant.mask == KMask::None {
+                (m_blocks, p.hq)
+            } else {
+                (p.hq, m_blocks)
+            };
+            if gy > 65535 || p.b > 65535 {
                 return Err(launch::err(
                     &symbol,
                     &shape,
-                    "heads_q and batch must each be <= 65535",
+                    format!("grid ({gx}, {gy}, {}): query blocks (masked) or heads_q, and batch, must each be <= 65535", p.b),
                 ));
             }
             let cfg = LaunchConfig {
-                grid_dim: (m_blocks as u32, p.hq as u32, p.b as u32),
+                grid_dim: (gx as u32, gy as u32, p.b as u32),
                 block_dim: (variant.threads(), 1, 1),
                 shared_mem_bytes: smem,
             };

@@ -70,7 +70,8 @@ static void launch(const KEntry& k, const FcParams& p, cudaStream_t st = 0) {
     CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     last_set[nset++] = k.fn;
   }
-  dim3 grid((p.sq + k.bm - 1) / k.bm, p.hq, p.b);
+  // masked kernels: (heads, query blocks, batch), heaviest query blocks first (kernels/sm80/fwd.cuh)
+  dim3 grid = k.mask ? dim3(p.hq, (p.sq + k.bm - 1) / k.bm, p.b) : dim3((p.sq + k.bm - 1) / k.bm, p.hq, p.b);
   void* args[] = {(void*)&p};
   CK(cudaLaunchKernel(k.fn, grid, dim3(k.warps * 32), args, smem, st));
   CK(cudaGetLastError());
