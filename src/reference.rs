@@ -237,6 +237,71 @@ fn alibi_bias(slopes: &Tensor, sq: usize, sk: usize, dtype: DType) -> Result<Ten
 /// Eager attention from candle ops in the input dtype: transpose, repeat K/V for GQA, matmul,
 /// softcap, ALiBi, mask, softmax, matmul. Rows that see no key come out as zeros here too.
 pub(crate) fn eager(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Result<Tensor> {
+    eager_chunked(q, k, v, params, EAGER_MAX_ELEMS)
+}
+
+/// Largest intermediate (elements) the eager path builds at once: candle's element-wise CUDA
+/// kernels take 32-bit element counts (CUDA_ERROR_INVALID_VALUE beyond), so bigger problems are
+/// split over the batch, then over groups of KV heads.
+const EAGER_MAX_ELEMS: usize = 1 << 30;
+
+/// [`eager`] with every intermediate below `max_elems` elements where a batch or KV-head split
+/// gets it there (a single (1 batch, 1 KV head) problem runs whole).
+pub(crate) fn eager_chunked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    params: &AttnParams,
+    max_elems: usize,
+) -> Result<Tensor> {
+    let p = crate::params::validate(q, k, v, params)?;
+    let biggest = p.b * p.hq * p.sk * p.sq.max(p.d);
+    if biggest <= max_elems || (p.b == 1 && p.hkv == 1) {
+        return eager_whole(q, k, v, params);
+    }
+    let parts = if p.b > 1 {
+        let h = p.b / 2;
+        vec![
+            eager_chunked(
+                &q.narrow(0, 0, h)?,
+                &k.narrow(0, 0, h)?,
+                &v.narrow(0, 0, h)?,
+                params,
+                max_elems,
+            )?,
+            eager_chunked(
+                &q.narrow(0, h, p.b - h)?,
+                &k.narrow(0, h, p.b - h)?,
+                &v.narrow(0, h, p.b - h)?,
+                params,
+                max_elems,
+            )?,
+        ]
+    } else {
+        // Query heads [g * ratio, (g + n) * ratio) read KV heads [g, g + n).
+        let ratio = p.h_ratio();
+        let h = p.hkv / 2;
+        let mut out = Vec::with_capacity(2);
+        for (g, n) in [(0, h), (h, p.hkv - h)] {
+            let mut sub = params.clone();
+            sub.alibi_slopes = match &params.alibi_slopes {
+                Some(sl) => Some(sl.narrow(0, g * ratio, n * ratio)?),
+                None => None,
+            };
+            out.push(eager_chunked(
+                &q.narrow(2, g * ratio, n * ratio)?,
+                &k.narrow(2, g, n)?,
+                &v.narrow(2, g, n)?,
+                &sub,
+                max_elems,
+            )?);
+        }
+        out
+    };
+    Tensor::cat(&parts, if p.b > 1 { 0 } else { 2 })
+}
+
+fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Result<Tensor> {
     let p = crate::params::validate(q, k, v, params)?;
     let dtype = p.dtype;
     let ratio = p.h_ratio();
@@ -275,4 +340,39 @@ pub(crate) fn eager(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> 
             .where_cond(&w.zeros_like()?, &w)?;
     }
     w.matmul(&v)?.transpose(1, 2)?.contiguous()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The eager twin splits big problems over the batch and KV-head groups (candle's CUDA
+    /// element-wise kernels take 32-bit counts): split and whole must agree, ALiBi slopes and
+    /// GQA included.
+    #[test]
+    fn eager_split_matches_whole() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, sq, sk, hq, hkv, d) = (3, 9, 21, 8, 2, 16);
+        let q = Tensor::randn(0f32, 1., (b, sq, hq, d), &dev)?;
+        let k = Tensor::randn(0f32, 1., (b, sk, hkv, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (b, sk, hkv, d), &dev)?;
+        let slopes = Tensor::rand(0f32, 1., hq, &dev)?;
+        let p = AttnParams {
+            mask: Mask::Causal,
+            alibi_slopes: Some(slopes),
+            ..Default::default()
+        };
+        let whole = eager_whole(&q, &k, &v, &p)?;
+        // Forces the split down to single (batch, KV head) pieces.
+        let split = eager_chunked(&q, &k, &v, &p, 1)?;
+        assert_eq!(split.dims(), whole.dims());
+        let diff = (whole - split)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "split eager differs from whole by {diff}");
+        Ok(())
+    }
 }
