@@ -92,7 +92,8 @@ pub fn attention_with_lse(
 
 /// The same function as [`attention`] composed of plain candle ops (matmul, mask, softmax,
 /// matmul) in the input dtype, with K/V repeated for GQA. The `_slow` twin used by tests and the
-/// benchmark's `eager` backend; it materialises the full score matrix.
+/// benchmark's `eager` backend; it materialises the full score matrix (split over the batch and
+/// KV-head groups when an intermediate would exceed 2^30 elements).
 pub fn attention_slow(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Result<Tensor> {
     reference::eager(q, k, v, params)
 }
