@@ -482,64 +482,34 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
                     ldsm_x4(qr[mt][kk], q_lane + mt * 16 * (D * 2) + (kk >> 2) * 128 + q_off[kk & 3]);
         }
 
-        // S = Q K^T
+        // S = Q K^T, then -inf outside the visible band (ragged key tail, causal diagonal, window
+        // edges) on the tiles that need it.
         float s[MT][NS][4];
-        if constexpr (XA && !Q_IN_REGS) {
-            qk_tile<T, D, MT, NS, XA>(s, q_lx, q_off, sKs + k_lx, k_off);
+        if constexpr (!Q_IN_REGS) {
+            qk_tile<T, D, MT, NS, XA>(s, XA ? q_lx : q_lane, q_off, sKs + (XA ? k_lx : k_lane_row),
+                                      k_off);
         } else {
-    #pragma unroll
+#pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-    #pragma unroll
+#pragma unroll
                 for (int j = 0; j < NS; ++j)
-    #pragma unroll
+#pragma unroll
                     for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
-    #pragma unroll
+#pragma unroll
             for (int kk = 0; kk < KD; ++kk) {
-                uint32_t a[MT][4];
-    #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (Q_IN_REGS) {
-    #pragma unroll
-                        for (int e = 0; e < 4; ++e) a[mt][e] = qr[Q_IN_REGS ? mt : 0][Q_IN_REGS ? kk : 0][e];
-                    } else {
-                        ldsm_x4(a[mt], q_lane + mt * 16 * (D * 2) + (kk >> 2) * 128 + q_off[kk & 3]);
-                    }
-                }
-    #pragma unroll
+#pragma unroll
                 for (int np = 0; np < NS / 2; ++np) {
                     uint32_t b[4];
                     ldsm_x4(b, sKs + k_lane_row + k_off[kk & 3] + (np * 16 * (D * 2) + (kk >> 2) * 128));
-    #pragma unroll
+#pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
-                        E::mma(s[mt][2 * np], a[mt], b[0], b[1]);
-                        E::mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                        E::mma(s[mt][2 * np], qr[mt][kk], b[0], b[1]);
+                        E::mma(s[mt][2 * np + 1], qr[mt][kk], b[2], b[3]);
                     }
                 }
             }
         }
-
-        // Mask (ragged key tail, causal diagonal, window edges) only where needed.
-        if constexpr (OPT != 0) {
-            mask_tile<MASK, BN, MT, NS>(s, nb, warp_r0, row_thr, lane, sq, sk, wl, wr);
-        } else {
-            if (fc::tile_needs_mask<MASK, BN>(nb, warp_r0, warp_r0 + 16 * MT - 1, sq, sk, wl, wr)) {
-                const int col0 = nb * BN + 2 * (lane & 3);
-    #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-    #pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        int lo, hi;
-                        fc::band_limits<MASK>(row_thr + mt * 16 + hf * 8, sq, sk, wl, wr, lo, hi);
-    #pragma unroll
-                        for (int j = 0; j < NS; ++j)
-    #pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                const int col = col0 + j * 8 + e;
-                                if (col >= hi || col < lo) s[mt][j][2 * hf + e] = FC_NEG_INF;
-                            }
-                    }
-            }
-        }
+        mask_tile<MASK, BN, MT, NS>(s, nb, warp_r0, row_thr, lane, sq, sk, wl, wr);
 
         if (STAGES == 1) {
             cp_async_wait_all();
@@ -556,35 +526,9 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
         softmax_tile<(OPT & FWD_LAZY) != 0>(s, o, row_m, row_l, sl2);
 
         // O += P V, P straight from the S accumulators (C layout == A layout).
-        if constexpr (XA) {
-            pv_tile<T, D, MT, NS, ND, XA>(s, o, sVs + v_lx, v_off);
-        } else {
-    #pragma unroll
-            for (int kk = 0; kk < NS / 2; ++kk) {
-                uint32_t pa[MT][4];
-    #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    pa[mt][0] = E::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    pa[mt][1] = E::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    pa[mt][2] = E::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    pa[mt][3] = E::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                }
-    #pragma unroll
-                for (int dp = 0; dp < ND / 2; ++dp) {
-                    uint32_t b[4];
-                    ldsm_x4_trans(b, sVs + v_lane_row + v_off[dp & 3] +
-                                         (kk * 16 * (D * 2) + (dp >> 2) * 128));
-    #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        E::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
-                        E::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
-                    }
-                }
-            }
-        }
+        pv_tile<T, D, MT, NS, ND, XA>(s, o, sVs + (XA ? v_lx : v_lane_row), v_off);
         if (STAGES == 2) stage ^= 1;
     }
-
 
     // Epilogue: normalise, LSE, stage O through this warp's own Q rows (only this warp ever
     // read them), then 16-byte coalesced stores.

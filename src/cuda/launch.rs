@@ -141,17 +141,27 @@ pub(crate) fn launch_params(
     b.arg(params);
     // SAFETY: the kernel's signature is `(const FcParams)`; every pointer in `params` refers to a
     // live allocation of the sizes the kernel reads or writes (checked by the caller).
-    unsafe { b.launch(cfg) }.map_err(|e| {
-        err(
-            kernel,
-            shape,
-            format!(
-                "launch failed (grid {:?}, block {:?}, smem {} B): {e}",
-                cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes
-            ),
-        )
-    })?;
+    unsafe { b.launch(cfg) }
+        .map_err(|e| launch_err(kernel, shape, &cfg, "", format!("launch failed: {e}")))?;
     check_sync(stream, kernel, shape)
+}
+
+/// `what` plus the launch geometry (and `how`, e.g. the launch kind), as a kernel error.
+fn launch_err(
+    kernel: &str,
+    shape: &str,
+    cfg: &LaunchConfig,
+    how: &str,
+    what: String,
+) -> candle_core::Error {
+    err(
+        kernel,
+        shape,
+        format!(
+            "{what} (grid {:?}, block {:?}, smem {} B{how})",
+            cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes
+        ),
+    )
 }
 
 /// Launches `f(params)` as a programmatic dependent of the previous kernel on `stream`
@@ -167,16 +177,8 @@ pub(crate) fn launch_params_pdl(
     shape: &str,
 ) -> candle_core::Result<()> {
     use cudarc::driver::sys;
-    let fail = |what: String| {
-        err(
-            kernel,
-            shape,
-            format!(
-                "{what} (grid {:?}, block {:?}, smem {} B, programmatic dependent launch)",
-                cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes
-            ),
-        )
-    };
+    let fail =
+        |what: String| launch_err(kernel, shape, &cfg, ", programmatic dependent launch", what);
     stream
         .context()
         .bind_to_thread()

@@ -33,7 +33,7 @@ TU
   ( $NV $FL -gencode arch=compute_80,code=sm_80 -Xptxas -v -cubin "$f" -o "$B/kern_cfg_$i.sm80.cubin" > "$B/ptxas80_$i.log" 2>&1 ) &
   objs="$objs $B/kern_cfg_$i.o"; i=$((i + 1))
 done < <(grep -E '^\s+X\(' configs.h)
-$NV $FL $ARCH -Xcompiler -fopenmp -c harness.cu -o "$B/harness.o" > "$B/harness.log" 2>&1 &
+$NV $FL $ARCH -Xcompiler -fopenmp -c ../harness.cu -o "$B/harness.o" > "$B/harness.log" 2>&1 &
 $NV $FL $ARCH -c kern_d128.cu -o "$B/kern_d128.o" > "$B/reg.log" 2>&1 &
 $NV $FL $ARCH -c kern_none.cu -o "$B/kern_none.o" > "$B/none.log" 2>&1 &
 wait
@@ -66,6 +66,6 @@ echo "check done at $(( $(date +%s) - T0 )) s"
 
 # 3. timing: every config, bf16, mask none/causal, fa3 grid (16k tokens, 16 heads, d128)
 timeout 90 "$B/h" time > "$OUT/time.log" 2>&1; echo "time rc=$?"
-timeout 90 python3 bench_torch.py 512,1024,2048,4096,8192,16384 128 > "$OUT/torch.log" 2>&1; echo "torch rc=$?"
+timeout 90 python3 ../bench_torch.py 512,1024,2048,4096,8192,16384 128 > "$OUT/torch.log" 2>&1; echo "torch rc=$?"
 python3 summarize.py "$OUT/time.log" "$OUT/torch.log" | tee "$OUT/table.txt"
 echo "total $(( $(date +%s) - T0 )) s"
