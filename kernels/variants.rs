@@ -82,18 +82,24 @@ pub struct Variant {
     pub block_n: u32,
     pub warps: u32,
     pub stages: u32,
+    /// Longest seq_q this variant is preferred for (`u32::MAX`: any). Entries of one problem
+    /// class are tried in table order; see `VARIANTS`.
+    pub max_sq: u32,
 }
 
 impl Variant {
-    /// Entry-point name: `fc_<family>_<kind>_<dtype>_d<head_dim>_<mask>`.
+    /// Entry-point name: `fc_<family>_<kind>_<dtype>_d<head_dim>_<mask>_<block_m>x<block_n>`
+    /// (the tile tells apart the variants of one problem class that need different smem).
     pub fn symbol(&self) -> String {
         format!(
-            "fc_{}_{}_{}_d{}_{}",
+            "fc_{}_{}_{}_d{}_{}_{}x{}",
             self.family,
             self.kind.name(),
             self.dtype.name(),
             self.head_dim,
-            self.mask.name()
+            self.mask.name(),
+            self.block_m,
+            self.block_n
         )
     }
     pub const fn threads(&self) -> u32 {
@@ -164,8 +170,8 @@ const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // Tile shapes (block_m x block_n, warps, K/V stages) per head dim; see docs/perf.md.
     // Measured on H100 (sm_90 SASS of the mma.sync kernel), bf16, 16k tokens, vs torch FA2.
     // Dynamic smem = (block_m + 2*stages*block_n) * head_dim * 2:
-    //   d64 48 KB, d128 64 KB (fit sm_86/89's 99 KB), d256 128 KB (sm_80 / sm_90 only: the host
-    //   must check the device's max opt-in smem per block and fall back on sm_86/89).
+    //   d64 48 KB, d128 64 KB (fit sm_86/89's 99 KB), d256 128 KB (sm_80 / sm_90 only; sm_86/89
+    //   take the `sm80_small` tile below).
     // The Local (MASK_ID 2) kernel of d128 128x32 spills a few bytes: use (64, 64, 4, 2) for it.
     let (block_m, block_n, warps, stages) = match (head_dim, mask) {
         (64, _) => (128, 64, 4, 2),
@@ -173,7 +179,14 @@ const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         (128, _) => (128, 32, 4, 2),
         _ => (128, 64, 8, 1),
     };
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX }
+}
+
+const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
+    // d256 for GPUs with 99 KB of smem per block (sm_86/89): 64x32, 4 warps, 2 stages = 96 KB.
+    // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100 (session 3, docs/perf.md),
+    // where the 128 KB tile above runs 1.04-1.08x.
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX }
 }
 
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -183,7 +196,7 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         256 => (32, 32, 2, 2),
         _ => (64, 64, 4, 2),
     };
-    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages }
+    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX }
 }
 
 const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -193,8 +206,20 @@ const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         128 => (128, 128),
         _ => (128, 80),
     };
+    sm90_tile(dtype, head_dim, mask, block_m, block_n, u32::MAX)
+}
+
+const fn sm90_tile(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, block_n: u32, max_sq: u32) -> Variant {
     let warps = (block_m / 64 + 1) * 4;
-    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages: 2 }
+    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages: 2, max_sq }
+}
+
+/// Causal d64 up to 2k query rows: 128-row tiles. With 192-row ones the causal grid computes
+/// 1.7x / 1.5x / 1.18x / 1.12x the useful work at 512 / 1k / 2k / 4k (128 rows: 1.25x / 1.12x /
+/// 1.06x / 1.03x). Same-call A/B on the H100 (session 3, docs/perf.md): +13 % / +16 % / +1 % /
+/// -2 % at 512 / 1k / 2k / 4k, so the 192-row tile keeps 4k and up.
+const fn sm90_d64_causal_short(dtype: KDType) -> Variant {
+    sm90_tile(dtype, 64, KMask::Causal, 128, 128, 2048)
 }
 
 /// Largest seq_q routed to the split-KV decode kernels (decode and speculative widths).
@@ -205,14 +230,19 @@ pub fn combine_symbol(family: &str, dtype: KDType, head_dim: u32) -> String {
     format!("fc_{}_combine_{}_d{}", family, dtype.name(), head_dim)
 }
 
+/// Every compiled kernel. Where one problem class (family, kind, dtype, head dim, mask) has
+/// several entries, they are in order of preference: the dispatcher takes the first one whose
+/// shared memory fits the GPU and whose `max_sq` admits the problem's seq_q.
 pub const VARIANTS: &[Variant] = &[
     sm90(KDType::Bf16, 64, KMask::None),
+    sm90_d64_causal_short(KDType::Bf16),
     sm90(KDType::Bf16, 64, KMask::Causal),
     sm90(KDType::Bf16, 128, KMask::None),
     sm90(KDType::Bf16, 128, KMask::Causal),
     sm90(KDType::Bf16, 256, KMask::None),
     sm90(KDType::Bf16, 256, KMask::Causal),
     sm90(KDType::F16, 64, KMask::None),
+    sm90_d64_causal_short(KDType::F16),
     sm90(KDType::F16, 64, KMask::Causal),
     sm90(KDType::F16, 128, KMask::None),
     sm90(KDType::F16, 128, KMask::Causal),
@@ -225,8 +255,11 @@ pub const VARIANTS: &[Variant] = &[
     sm80(KDType::Bf16, 128, KMask::Causal),
     sm80(KDType::Bf16, 128, KMask::Local),
     sm80(KDType::Bf16, 256, KMask::None),
+    sm80_small(KDType::Bf16, 256, KMask::None),
     sm80(KDType::Bf16, 256, KMask::Causal),
+    sm80_small(KDType::Bf16, 256, KMask::Causal),
     sm80(KDType::Bf16, 256, KMask::Local),
+    sm80_small(KDType::Bf16, 256, KMask::Local),
     sm80(KDType::F16, 64, KMask::None),
     sm80(KDType::F16, 64, KMask::Causal),
     sm80(KDType::F16, 64, KMask::Local),
@@ -234,8 +267,11 @@ pub const VARIANTS: &[Variant] = &[
     sm80(KDType::F16, 128, KMask::Causal),
     sm80(KDType::F16, 128, KMask::Local),
     sm80(KDType::F16, 256, KMask::None),
+    sm80_small(KDType::F16, 256, KMask::None),
     sm80(KDType::F16, 256, KMask::Causal),
+    sm80_small(KDType::F16, 256, KMask::Causal),
     sm80(KDType::F16, 256, KMask::Local),
+    sm80_small(KDType::F16, 256, KMask::Local),
     sm80_decode(KDType::Bf16, 64, KMask::None),
     sm80_decode(KDType::Bf16, 64, KMask::Causal),
     sm80_decode(KDType::Bf16, 64, KMask::Local),

@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::{DType, Device, Result, Tensor};
 use common::*;
-use flashcore::cuda::{set_arch_override, set_poison_outputs, Arch};
+use flashcore::cuda::{set_arch_override, set_poison_outputs, set_smem_limit_override, Arch};
 use flashcore::{attention_slow, attention_with_lse, AttnParams, Mask};
 
 fn gpu() -> Option<Device> {
@@ -34,12 +34,18 @@ fn gpu() -> Option<Device> {
     }
 }
 
-/// Arch under test: FLASHCORE_TEST_ARCH=sm80|sm90 forces a family (the H100 runs both).
+/// Arch under test: FLASHCORE_TEST_ARCH=sm80|sm90 forces a family (the H100 runs both);
+/// FLASHCORE_TEST_SMEM=bytes plans with that much shared memory per block (101376 runs the
+/// 99 KB tiles of sm_86/89 on the H100).
 fn arch_under_test() {
     let a = std::env::var("FLASHCORE_TEST_ARCH")
         .ok()
         .and_then(|s| Arch::parse(&s));
     set_arch_override(a);
+    let smem = std::env::var("FLASHCORE_TEST_SMEM")
+        .ok()
+        .and_then(|s| s.parse().ok());
+    set_smem_limit_override(smem);
     set_poison_outputs(true);
 }
 
@@ -76,9 +82,21 @@ impl std::fmt::Display for Case {
 /// Runs one case on the GPU (outputs poisoned first) and checks the tolerance rule: the fused
 /// error against float64 is at most 2x the error of the naive same-precision GPU implementation
 /// (candle matmul/softmax in the input dtype) plus a rounding floor; LSE within f32 rounding.
-fn check(dev: &Device, c: &Case) -> Result<(f64, f64)> {
+/// Also returns the kernel the dispatcher picked.
+fn check(dev: &Device, c: &Case) -> Result<(f64, f64, String)> {
     let (q, k, v) = qkv(c.b, c.sq, c.sk, c.hq, c.hkv, c.d, c.dtype, c.strided, dev)?;
-    check_inputs(&c.to_string(), &q, &k, &v, c.mask)
+    let (e, ne) = check_inputs(&c.to_string(), &q, &k, &v, c.mask)?;
+    let kernel = match dev {
+        Device::Cuda(d) => {
+            let p = AttnParams {
+                mask: c.mask,
+                ..Default::default()
+            };
+            flashcore::cuda::describe(d, &p, &q, &k, &v)?
+        }
+        _ => "cpu".into(),
+    };
+    Ok((e, ne, kernel))
 }
 
 /// The tolerance rule on given inputs; returns (fused error, naive error) against float64.
@@ -136,6 +154,7 @@ fn sweep() -> Result<()> {
         (113, 113),
         (256, 256),
         (1023, 1023),
+        (2113, 2113), // past sm90 d64 causal's 128-row tile (max_sq 2048): the 192-row one
         (1, 4224),
         (4224, 4224),
         (113, 4224),
@@ -170,8 +189,8 @@ fn sweep() -> Result<()> {
                         mask,
                         strided: n % 2 == 0,
                     };
-                    let (e, ne) = check(&dev, &c)?;
-                    println!("[OK] {c}: err {e:.2e} (naive {ne:.2e})");
+                    let (e, ne, kernel) = check(&dev, &c)?;
+                    println!("[OK] {c}: err {e:.2e} (naive {ne:.2e}) {kernel}");
                     n += 1;
                 }
             }

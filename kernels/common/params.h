@@ -34,4 +34,7 @@ struct FcParams {
     int32_t window_right;
     int32_t num_splits;     // split-KV decode: number of key-range splits (1 = none)
     int32_t _pad;
+    // sm90 forward, persistent grid: a zeroed int32 the CTAs draw their next tile from (dynamic
+    // schedule), or null for the static round-robin schedule. Ignored by the sm80 kernels.
+    int32_t* tile_counter;
 };

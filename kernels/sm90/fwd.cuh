@@ -18,11 +18,17 @@
 // LAUNCH CONTRACT (host side; see .scratch/sm90/harness.cu make_maps() for the reference code)
 //   kernel:  SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,
 //                   const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v)
-//   grid: any size; CTA i (linear id) processes tiles k*nctas + (k odd ? nctas-1-i : i), k = 0, 1, ...
-//         of the ceil(sq/BLOCK_M)*hq*b query tiles. One CTA per tile: grid (ceil(sq/BLOCK_M), hq, b)
-//         (use this for causal: the hardware scheduler balances the unequal tiles); persistent:
-//         grid (min(tiles, #SMs), 1, 1) (use this for no mask: it overlaps one tile's epilogue with
-//         the next tile's loads).          block = WARPS*32 = (BLOCK_M/64 + 1) * 128 threads
+//   grid: any size. Static schedule (p.tile_counter null): CTA i (linear id) processes tiles
+//         k*nctas + (k odd ? nctas-1-i : i), k = 0, 1, ... of the ceil(sq/BLOCK_M)*hq*b query tiles;
+//         one CTA per tile is grid (ceil(sq/BLOCK_M), hq, b), persistent is grid (min(tiles, #SMs), 1, 1)
+//         (it overlaps one tile's epilogue with the next tile's loads: use it for no mask).
+//         Dynamic schedule (kernels with DYN = causal d64/d128; p.tile_counter -> a zeroed int32, grid
+//         (min(tiles, #SMs), 1, 1)): CTA i starts with tile i, then a scheduler thread (warp 1 of the
+//         producer warpgroup) draws nctas + atomicAdd(counter, 1) whenever a slot of a 2-slot mbarrier
+//         ring in smem is free, and publishes the decoded tile to the TMA thread and the consumers.
+//         Without a counter a DYN kernel takes tiles cta, cta + nctas, ... (one CTA per tile works).
+//         Static kernels ignore the counter; the TMA thread publishes their tiles to the consumers.
+//         block = WARPS*32 = (BLOCK_M/64 + 1) * 128 threads
 //   dynamic smem = fc90::fwd_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)  (host+device constexpr)
 //                = (BLOCK_M + 2*STAGES*BLOCK_N + (SEP_O ? BLOCK_M : 0)) * HEAD_DIM * 2 + 1280, where
 //                  SEP_O = (2*BLOCK_M + 2*STAGES*BLOCK_N) * HEAD_DIM * 2 + 1280 <= 232448 (227 KB)
@@ -94,8 +100,11 @@ struct FwdSm90 {
     static constexpr bool SEP_O = fwd_sep_o(BM, BN, D, STAGES);
     static constexpr uint32_t TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + (SEP_O ? Q_BYTES : 0);
     static_assert(TILE_BYTES + 1280 <= 232448, "shared memory over the 227 KB limit");
-    static constexpr int PROD_REGS = NC == 2 ? 24 : 32;
-    static constexpr int CONS_REGS = NC == 2 ? 240 : 160;
+    // setmaxnreg split; (NC * CONS_REGS + PROD_REGS) * 128 <= the launch's 65536 / NTHREADS * NTHREADS.
+    // d64 with two consumer warpgroups needs few consumer registers and more for the producer
+    // (TMA thread + tile scheduler: 24 spill there).
+    static constexpr int PROD_REGS = NC == 2 ? (D == 64 ? 40 : 24) : 32;
+    static constexpr int CONS_REGS = NC == 2 ? (D == 64 ? 232 : 240) : 160;
     static constexpr int BAR_SCHED = 1;            // named barriers 1..NC: ping-pong
     static constexpr int BAR_EPI = 1 + NC;         // named barriers NC+1..2NC: per-WG epilogue
     static constexpr bool BF = TypeInfo<T>::bf16;
@@ -154,6 +163,15 @@ struct FwdSm90 {
         auto full_v = [&](int s) { return bars + 16u + 8u * (STAGES + s); };
         auto empty_k = [&](int s) { return bars + 16u + 8u * (2 * STAGES + s); };
         auto empty_v = [&](int s) { return bars + 16u + 8u * (3 * STAGES + s); };
+        // 2-slot ring of decoded tiles (m_block -1 = stop; see `publish`): the thread that
+        // owns the schedule -> the TMA thread (dynamic) and the consumers
+        auto sched_full = [&](int s) { return bars + 16u + 8u * (4 * STAGES + s); };
+        auto sched_empty = [&](int s) { return bars + 16u + 8u * (4 * STAGES + 2 + s); };
+        auto sched_val = [&](int s) { return bars + 16u + 8u * (4 * STAGES + 4) + 32u * s; };
+        static_assert(16 + 8 * (4 * STAGES + 4) + 64 <= 256, "barrier area");
+        // Causal tiles are unequal: dynamic schedule (p.tile_counter) for d64/d128. No mask, and
+        // d256 (whose TMA thread spills with the scheduler beside it): static (any grid).
+        constexpr bool DYN = CAUSAL && D <= 128;
 
         // ---- persistent static schedule: CTA `cta` takes tiles k*nctas + (k odd ? nctas-1-cta : cta) ----
         const int num_m = (p.sq + BM - 1) / BM;
@@ -173,6 +191,10 @@ struct FwdSm90 {
                 mbar_init(empty_k(s), NC);
                 mbar_init(empty_v(s), NC);
             }
+            for (int s = 0; s < 2; ++s) {
+                mbar_init(sched_full(s), 1);
+                mbar_init(sched_empty(s), NC * 128 + (DYN ? 1 : 0));  // + the TMA thread
+            }
             fence_barrier_init();
         }
         __syncthreads();
@@ -180,20 +202,62 @@ struct FwdSm90 {
         if (wg == 0) {
             // ================= producer =================
             reg_dealloc<PROD_REGS>();
+            uint32_t si = 0;  // tile-ring position
+            // slot = {m_block (-1 = stop), head, batch, kv head, key tiles}
+            auto publish = [&](int m_block, int h, int bi) {
+                const int slot = si & 1;
+                mbar_wait(sched_empty(slot), ((si >> 1) & 1) ^ 1);
+                const uint32_t a = sched_val(slot);
+                st_shared_s32(a, m_block);
+                st_shared_s32(a + 4u, h);
+                st_shared_s32(a + 8u, bi);
+                st_shared_s32(a + 12u, h / p.h_ratio);
+                st_shared_s32(a + 16u, m_block < 0 ? 0 : n_tiles(p, m_block));
+                mbar_arrive(sched_full(slot));
+                ++si;
+            };
+            if (DYN && tid == 32) {
+                // scheduler thread (warp 1): tile `cta` first, then whatever the counter hands out
+                // (decode_tile: longest first), as soon as a ring slot is free. Without a counter:
+                // round robin over the grid (one CTA per tile: tile `cta` only).
+                for (int lin = cta; lin < total;
+                     lin = p.tile_counter ? nctas + atomicAdd(p.tile_counter, 1) : lin + nctas) {
+                    int m_block, h, bi;
+                    decode_tile(p, num_m, lin, m_block, h, bi);
+                    publish(m_block, h, bi);
+                }
+                publish(-1, 0, 0);
+            }
             if (tid == 0) {
                 tma_prefetch_desc(tmq);
                 tma_prefetch_desc(tmk);
                 tma_prefetch_desc(tmv);
                 PipeState<STAGES> ks, vs;
                 uint32_t qi = 0;
-                for (int k = 0; k * nctas < total; ++k) {
-                    const int lin = k * nctas + ((k & 1) ? nctas - 1 - cta : cta);
-                    if (lin >= total) continue;
-                    int m_block, h, bi;
-                    decode_tile(p, num_m, lin, m_block, h, bi);
-                    const int n_max = n_tiles(p, m_block);
+                for (int k = 0;; ++k) {
+                    int m_block, h, bi, hk, n_max;
+                    if (DYN) {
+                        const int slot = si & 1;
+                        mbar_wait(sched_full(slot), (si >> 1) & 1);
+                        const uint32_t a = sched_val(slot);
+                        m_block = ld_shared_s32(a);
+                        h = ld_shared_s32(a + 4u);
+                        bi = ld_shared_s32(a + 8u);
+                        hk = ld_shared_s32(a + 12u);
+                        n_max = ld_shared_s32(a + 16u);
+                        mbar_arrive(sched_empty(slot));
+                        ++si;
+                        if (m_block < 0) break;
+                    } else {
+                        if (k * nctas >= total) break;
+                        const int lin = k * nctas + ((k & 1) ? nctas - 1 - cta : cta);
+                        if (lin >= total) continue;
+                        decode_tile(p, num_m, lin, m_block, h, bi);
+                        publish(m_block, h, bi);
+                        hk = h / p.h_ratio;
+                        n_max = n_tiles(p, m_block);
+                    }
                     if (n_max <= 0) continue;
-                    const int hk = h / p.h_ratio;
                     auto load_k = [&](int n) {
                         mbar_wait(empty_k(ks.stage), ks.phase ^ 1);
                         mbar_arrive_expect_tx(full_k(ks.stage), KV_BYTES);
@@ -220,12 +284,14 @@ struct FwdSm90 {
                     for (int c = 0; c < DB; ++c)
                         tma_load_4d(sQ + c * BM * 128, tmq, bar_q, c * 64, m_block * BM, h, bi, kEvictFirst);
                     ++qi;
+#pragma unroll 1
                     for (int n = n_max - 2; n >= 0; --n) {
                         load_k(n);
                         load_v(n + 1);
                     }
                     load_v(0);
                 }
+                if (!DYN) publish(-1, 0, 0);
             }
             return;
         }
@@ -243,24 +309,34 @@ struct FwdSm90 {
         const uint32_t slice = c * 8192;
         constexpr int CPR = D / 8;  // 16-byte chunks per output row
         PipeState<STAGES> ks, vs;
-        uint32_t qi = 0;
+        uint32_t qi = 0, si = 0;
 
         float o[D / 2];
         float s[BN / 2];
         uint32_t pa[BN / 16][4];
         float m_r[2], l_r[2];
 
-        for (int k = 0; k * nctas < total; ++k) {
-            const int lin = k * nctas + ((k & 1) ? nctas - 1 - cta : cta);
-            if (lin >= total) continue;
-            int m_block, h, bi;
-            decode_tile(p, num_m, lin, m_block, h, bi);
-            const int NT = n_tiles(p, m_block);
+        for (;;) {
+            const int slot = si & 1;
+            mbar_wait(sched_full(slot), (si >> 1) & 1);
+            // The slot stays ours until the tile is done (arrive at the end): head and batch are
+            // re-read from it where needed instead of living in registers across the key loop.
+            const int m_block = ld_shared_s32(sched_val(slot));
+            ++si;
+            if (m_block < 0) break;
+            auto out_ptrs = [&](T*& og, float*& lse_g) {
+                const int h = ld_shared_s32(sched_val(slot) + 4u);
+                const int bi = ld_shared_s32(sched_val(slot) + 8u);
+                og = reinterpret_cast<T*>(p.o) + (int64_t)bi * p.o_batch_stride + (int64_t)h * p.o_head_stride;
+                lse_g = p.lse + ((int64_t)bi * p.hq + h) * p.sq;
+            };
+            const int NT = ld_shared_s32(sched_val(slot) + 16u);
             const int row0 = m_block * BM + c * 64 + warp * 16 + g;  // rows row0 and row0 + 8
-            T* const og = reinterpret_cast<T*>(p.o) + (int64_t)bi * p.o_batch_stride + (int64_t)h * p.o_head_stride;
-            float* const lse_g = p.lse + ((int64_t)bi * p.hq + h) * p.sq;
 
             if (NT <= 0) {
+                T* og;
+                float* lse_g;
+                out_ptrs(og, lse_g);
                 // every row of this tile sees no key: O = 0, LSE = -inf (no smem use)
                 if (tq == 0) {
                     if (row0 < p.sq) lse_g[row0] = -INFINITY;
@@ -274,6 +350,7 @@ struct FwdSm90 {
                     if (grow < p.sq)
                         *reinterpret_cast<uint4*>(og + (int64_t)grow * p.o_row_stride + chk * 8) = make_uint4(0, 0, 0, 0);
                 }
+                mbar_arrive(sched_empty(slot));
                 continue;
             }
 
@@ -424,6 +501,9 @@ struct FwdSm90 {
             vs.advance();
 
             // ================= epilogue =================
+            T* og;
+            float* lse_g;
+            out_ptrs(og, lse_g);
             float inv[2], lse[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -465,6 +545,7 @@ struct FwdSm90 {
             // all smem reads of this warpgroup done (-> release the Q buffer when O was staged in it)
             named_sync(BAR_EPI + c, 128);
             if (!SEP_O && t128 == 0) mbar_arrive(q_empty);
+            mbar_arrive(sched_empty(slot));
             ++qi;
         }
     }

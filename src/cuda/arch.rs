@@ -1,7 +1,8 @@
 //! Which kernel family runs on which GPU: one `match` on the compute capability, plus the
-//! override (`FLASHCORE_ARCH=sm80|sm90` or [`set_arch_override`]).
+//! overrides (`FLASHCORE_ARCH=sm80|sm90` or [`set_arch_override`]; `FLASHCORE_SMEM_LIMIT=bytes`
+//! or [`set_smem_limit_override`]).
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 
 /// A kernel family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,5 +77,32 @@ pub fn select(major: i32, minor: i32) -> candle_core::Result<Arch> {
         ))),
         Some(a) => Ok(a),
         None => Ok(native),
+    }
+}
+
+static SMEM_LIMIT: AtomicU32 = AtomicU32::new(0);
+
+/// Plans every later call in this process as if the GPU allowed at most `bytes` of shared memory
+/// per block (`None` restores the device's own limit). Takes precedence over
+/// `FLASHCORE_SMEM_LIMIT`. A big GPU then runs the tiles a smaller one gets, e.g. an H100 with
+/// `Some(101376)` the 99 KB tiles of sm_86/89: how those are tested on the H100.
+pub fn set_smem_limit_override(bytes: Option<u32>) {
+    SMEM_LIMIT.store(bytes.unwrap_or(0), Ordering::Relaxed);
+}
+
+/// The shared-memory override in force, if any.
+pub fn smem_limit_override() -> candle_core::Result<Option<u32>> {
+    match SMEM_LIMIT.load(Ordering::Relaxed) {
+        0 => {}
+        n => return Ok(Some(n)),
+    }
+    match std::env::var("FLASHCORE_SMEM_LIMIT") {
+        Ok(s) if !s.is_empty() => match s.trim().parse::<u32>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(candle_core::Error::Msg(format!(
+                "flashcore: FLASHCORE_SMEM_LIMIT must be a positive number of bytes, got {s:?}"
+            ))),
+        },
+        _ => Ok(None),
     }
 }

@@ -111,7 +111,7 @@ fn raise_smem(
         return Err(err(
             symbol,
             shape,
-            format!("needs {smem} B of shared memory per block; this GPU allows {optin} B (no smaller tile is compiled for this head_dim yet)"),
+            format!("needs {smem} B of shared memory per block; this GPU allows {optin} B"),
         ));
     }
     f.set_attribute(

@@ -7,7 +7,7 @@ pub mod params;
 mod tma;
 pub mod variants;
 
-pub use arch::{set_arch_override, Arch};
+pub use arch::{set_arch_override, set_smem_limit_override, Arch};
 
 use crate::params::{Mask, Problem};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
@@ -74,6 +74,9 @@ pub struct DeviceInfo {
     pub major: i32,
     pub minor: i32,
     pub sm_count: usize,
+    /// Largest dynamic shared memory a block may opt in to, in bytes (99 KB on sm_86/89, 163 KB
+    /// on sm_80, 227 KB on sm_90).
+    pub smem_per_block: u32,
 }
 
 /// The compute capability and SM count of `dev` (cached per device ordinal).
@@ -104,10 +107,14 @@ pub fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
     let sm_count = ctx
         .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|err| e("multiprocessor count", err))? as usize;
+    let smem_per_block = ctx
+        .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(|err| e("shared memory limit", err))? as u32;
     let info = DeviceInfo {
         major,
         minor,
         sm_count,
+        smem_per_block,
     };
     cache
         .lock()
@@ -127,7 +134,11 @@ pub fn describe(
 ) -> Result<String> {
     let prob = crate::params::validate(q, k, v, p)?;
     let info = device_info(dev)?;
-    let v = choose(&prob, arch::select(info.major, info.minor)?)?;
+    let v = choose(
+        &prob,
+        arch::select(info.major, info.minor)?,
+        smem_budget(&info)?,
+    )?;
     Ok(v.symbol())
 }
 
@@ -146,9 +157,47 @@ fn kmask(m: Mask) -> KMask {
     }
 }
 
-/// The variant that runs `p` on a GPU of family `arch`, or an error saying which option has no
-/// GPU kernel yet.
-fn choose(p: &Problem, arch: Arch) -> Result<&'static Variant> {
+/// `FLASHCORE_SKIP_VARIANTS=substr[,substr]`: the dispatcher passes over the variants whose
+/// symbol contains one of the substrings and takes the next candidate (an A/B aid for problem
+/// classes with several tiles, e.g. `d64_causal_128x128`). Read once.
+fn skipped(v: &Variant) -> bool {
+    static ENV: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let skip = ENV.get_or_init(|| {
+        std::env::var("FLASHCORE_SKIP_VARIANTS")
+            .map(|s| {
+                s.split(',')
+                    .filter(|x| !x.is_empty())
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default()
+    });
+    !skip.is_empty() && {
+        let sym = v.symbol();
+        skip.iter().any(|x| sym.contains(x.as_str()))
+    }
+}
+
+/// `FLASHCORE_SM90_CAUSAL=static`: causal sm90 problems take session 2's grids (no tile
+/// counter) instead of the dynamic schedule. Read once.
+fn causal_static() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENV.get_or_init(|| std::env::var("FLASHCORE_SM90_CAUSAL").is_ok_and(|v| v == "static"))
+}
+
+/// Shared memory per block the dispatcher may plan with: the device's opt-in limit, lowered by
+/// [`arch::smem_limit_override`] (to run the tiles of smaller GPUs on a big one).
+fn smem_budget(info: &DeviceInfo) -> Result<u32> {
+    Ok(match arch::smem_limit_override()? {
+        Some(n) => n.min(info.smem_per_block),
+        None => info.smem_per_block,
+    })
+}
+
+/// The variant that runs `p` on a GPU of family `arch` with `smem` bytes of shared memory per
+/// block: the first compiled candidate in the variant table's order of preference that fits.
+/// Otherwise an error saying which option has no GPU kernel (yet), or what does not fit.
+fn choose(p: &Problem, arch: Arch, smem: u32) -> Result<&'static Variant> {
     let shape = shape_str(p);
     let unsupported = |what: String| {
         candle_core::Error::Msg(format!(
@@ -183,15 +232,31 @@ fn choose(p: &Problem, arch: Arch) -> Result<&'static Variant> {
     }
     candidates.push(("sm80", KKind::Fwd));
     let mut missing = Vec::new();
+    let mut too_big = Vec::new();
     for (family, kind) in candidates {
-        match variants::find(family, kind, dtype, d, mask) {
-            Some(v) if variants::is_compiled(v) => return Ok(v),
-            Some(v) => missing.push(format!(
-                "{} (not compiled in this build: FLASHCORE_VARIANTS)",
-                v.symbol()
-            )),
-            None => {}
+        for v in variants::candidates(family, kind, dtype, d, mask) {
+            if skipped(v) {
+                continue;
+            }
+            if !variants::is_compiled(v) {
+                missing.push(format!(
+                    "{} (not compiled in this build: FLASHCORE_VARIANTS)",
+                    v.symbol()
+                ));
+            } else if v.smem_bytes() > smem {
+                too_big.push(format!("{} needs {} B", v.symbol(), v.smem_bytes()));
+            } else if p.sq > v.max_sq as usize {
+                continue; // a later entry serves longer queries
+            } else {
+                return Ok(v);
+            }
         }
+    }
+    if !too_big.is_empty() {
+        return Err(unsupported(format!(
+            "this GPU's {smem} B of shared memory per block ({})",
+            too_big.join(", ")
+        )));
     }
     if !missing.is_empty() {
         return Err(unsupported(missing.join(", ")));
@@ -341,7 +406,11 @@ pub(crate) fn forward(
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dev = q.0.device.clone();
     let info = device_info(&dev)?;
-    let variant = choose(p, arch::select(info.major, info.minor)?)?;
+    let variant = choose(
+        p,
+        arch::select(info.major, info.minor)?,
+        smem_budget(&info)?,
+    )?;
     match p.dtype {
         DType::BF16 => run_typed::<bf16>(&dev, p, variant, slopes, q, k, v),
         DType::F16 => run_typed::<f16>(&dev, p, variant, slopes, q, k, v),
@@ -446,6 +515,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         window_right: wr.map_or(-1, |x| x.min(i32::MAX as usize) as i32),
         num_splits: 1,
         _pad: 0,
+        tile_counter: 0,
     };
     let smem = variant.smem_bytes();
     let f = launch::function(&stream, variant.family, &symbol, smem, &shape)?;
@@ -474,12 +544,30 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
             let tm_v = enc(vp, p.sk, p.hkv, v.1, variant.block_n, "v")?;
             let m_blocks = p.sq.div_ceil(variant.block_m as usize);
             let tiles = m_blocks * p.hq * p.b;
-            // Persistent grid (one CTA per SM looping over tiles) where the tiles are equal or few;
-            // one CTA per tile for long causal problems (the hardware balances the unequal tiles).
-            let grid = if p.mask == Mask::None || m_blocks <= 8 {
-                let sms = device_info(dev)?.sm_count;
-                (tiles.min(sms.max(1)) as u32, 1, 1)
+            // Persistent grid (one CTA per SM looping over tiles). Equal tiles (no mask) take the
+            // kernel's static round-robin schedule. Causal d64/d128 kernels with up to 32 query
+            // blocks draw their tiles from a zeroed counter, longest first (dynamic schedule,
+            // kernels/sm90/fwd.cuh `DYN`): +7-16 % at 512-2k, +2-3 % at 4k, but 2-6 % slower
+            // than one CTA per tile at 16k (H100, session 3, docs/perf.md). Other causal problems:
+            // persistent up to 8 query blocks, else one CTA per tile, the hardware balancing the
+            // unequal tiles. FLASHCORE_SM90_CAUSAL=static turns the dynamic schedule off (an A/B
+            // aid). A grid that does not match the kernel's schedule is slower, never wrong.
+            let sms = device_info(dev)?.sm_count.max(1);
+            let dynamic = p.mask != Mask::None && p.d <= 128 && m_blocks <= 32 && !causal_static();
+            let mut prm = prm;
+            let _counter: Option<CudaSlice<i32>>;
+            let grid = if dynamic {
+                let c = stream.alloc_zeros::<i32>(1).map_err(|e| {
+                    launch::err(&symbol, &shape, format!("allocating the tile counter: {e}"))
+                })?;
+                prm.tile_counter = c.device_ptr(&stream).0;
+                _counter = Some(c);
+                (tiles.min(sms) as u32, 1, 1)
+            } else if p.mask == Mask::None || m_blocks <= 8 {
+                _counter = None;
+                (tiles.min(sms) as u32, 1, 1)
             } else {
+                _counter = None;
                 if p.hq > 65535 || p.b > 65535 {
                     return Err(launch::err(
                         &symbol,

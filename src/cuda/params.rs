@@ -38,9 +38,11 @@ pub struct FcParams {
     pub window_right: i32,
     pub num_splits: i32,
     pub _pad: i32,
+    /// sm90 forward: zeroed i32 for the dynamic tile schedule, or 0 (static).
+    pub tile_counter: u64,
 }
 
 // SAFETY: plain-old-data with the C layout the kernels declare.
 unsafe impl cudarc::driver::DeviceRepr for FcParams {}
 
-const _: () = assert!(std::mem::size_of::<FcParams>() == 8 * 8 + 12 * 8 + 14 * 4);
+const _: () = assert!(std::mem::size_of::<FcParams>() == 8 * 8 + 12 * 8 + 14 * 4 + 8);

@@ -9,15 +9,15 @@ mod compiled {
 }
 pub use compiled::{fatbin, COMPILED};
 
-/// The compiled variant of `family`/`kind` for this dtype, head dim and mask, if any.
-pub fn find(
-    family: &str,
+/// The variants of `family`/`kind` for this dtype, head dim and mask, in order of preference.
+pub fn candidates(
+    family: &'static str,
     kind: KKind,
     dtype: KDType,
     head_dim: u32,
     mask: KMask,
-) -> Option<&'static Variant> {
-    VARIANTS.iter().find(|v| {
+) -> impl Iterator<Item = &'static Variant> {
+    VARIANTS.iter().filter(move |v| {
         v.family == family
             && v.kind == kind
             && v.dtype == dtype

@@ -1,5 +1,5 @@
 #!/bin/bash
-# d128 sm80-kernel experiment on the H100: build (one TU per config, parallel), ptxas regs/spills
+# sm80-kernel tile/schedule experiment on the H100 (configs.h): build (one TU per config, parallel), ptxas regs/spills
 # (sm_90 used + sm_80 check), full correctness check, timing (L2 flushed) of every config vs torch FA2.
 # Run from the repo root:  bash dev/sm80/exp/exp.sh   (logs -> $OUT, else dev/sm80/exp/out)
 # Local compile-only test (no GPU): EXP_COMPILE_ONLY=1 NVCC=nvcc bash dev/sm80/exp/exp.sh
@@ -64,8 +64,8 @@ grep -E "^sweep|^after strided|^random|^TOTAL" "$OUT/check.log"
 echo "FAIL count per config (none listed = all pass):"; grep -E "^FAIL" "$OUT/check.log" | awk '{print $2}' | sed -E 's/_m[0-9]_/_/' | sort | uniq -c
 echo "check done at $(( $(date +%s) - T0 )) s"
 
-# 3. timing: every config, bf16, mask none/causal, fa3 grid (16k tokens, 16 heads, d128)
+# 3. timing: every config, bf16, mask none/causal, fa3 grid (16k tokens; h16 for d128, h8 for d256)
 timeout 90 "$B/h" time > "$OUT/time.log" 2>&1; echo "time rc=$?"
-timeout 90 python3 ../bench_torch.py 512,1024,2048,4096,8192,16384 128 > "$OUT/torch.log" 2>&1; echo "torch rc=$?"
+timeout 90 python3 ../bench_torch.py 512,1024,2048,4096,8192,16384 ${EXP_DIMS:-128,256} > "$OUT/torch.log" 2>&1; echo "torch rc=$?"
 python3 summarize.py "$OUT/time.log" "$OUT/torch.log" | tee "$OUT/table.txt"
 echo "total $(( $(date +%s) - T0 )) s"

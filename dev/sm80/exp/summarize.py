@@ -1,4 +1,4 @@
-# usage: summarize.py time.log torch.log  -> TFLOPS table (+ ratio vs torch FA2 for seq >= 2048)
+# usage: summarize.py time.log torch.log  -> TFLOPS table per head dim (+ ratio vs torch FA2 at seq >= 2048)
 import sys, collections, re
 seqs = [512, 1024, 2048, 4096, 8192, 16384]
 t = collections.OrderedDict()
@@ -9,11 +9,14 @@ for l in open(sys.argv[1]):
 tor = {}
 for l in open(sys.argv[2]):
     m = re.match(r"TORCH d(\d+) seq\s*(\d+) causal(\d)\s+\S+ us\s+(\S+)", l)
-    if m and m.group(1) == "128": tor.setdefault(m.group(3), {})[int(m.group(2))] = float(m.group(4))
+    if m: tor.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = float(m.group(4))
 print(f"{'config (TFLOPS)':34s} c " + " ".join(f"{s:>6d}" for s in seqs) + "   min ratio >=2k")
-for c in ("0", "1"):
-    rows = [("TORCH_FA2_d128", tor.get(c, {}))] + [(n, v) for (n, cc), v in t.items() if cc == c]
-    for n, v in rows:
-        ratios = [v[s] / tor[c][s] for s in seqs if s >= 2048 and s in v and s in tor.get(c, {})]
-        r = f"{min(ratios):.3f} [" + " ".join(f"{x:.3f}" for x in ratios) + "]" if ratios and not n.startswith("TORCH") else ""
-        print(f"{n:34s} {c} " + " ".join(f"{v.get(s, float('nan')):6.1f}" for s in seqs) + "   " + r)
+dims = sorted({re.search(r"_d(\d+)_", n).group(1) for (n, _) in t}, key=int)
+for d in dims:
+    for c in ("0", "1"):
+        ref = tor.get((d, c), {})
+        rows = [(f"TORCH_FA2_d{d}", ref)] + [(n, v) for (n, cc), v in t.items() if cc == c and f"_d{d}_" in n]
+        for n, v in rows:
+            ratios = [v[s] / ref[s] for s in seqs if s >= 2048 and s in v and s in ref]
+            r = f"{min(ratios):.3f} [" + " ".join(f"{x:.3f}" for x in ratios) + "]" if ratios and not n.startswith("TORCH") else ""
+            print(f"{n:34s} {c} " + " ".join(f"{v.get(s, float('nan')):6.1f}" for s in seqs) + "   " + r)

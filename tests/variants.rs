@@ -1,0 +1,144 @@
+//! The variant table (kernels/variants.rs) on its own, without a GPU: one symbol per kernel, and
+//! every problem class of the sm80 family has a tile for each GPU it targets.
+
+#[allow(dead_code)]
+mod table {
+    include!("../kernels/variants.rs");
+}
+use table::*;
+
+/// Opt-in shared memory per block: sm_86/89, sm_80, sm_90.
+const SMEM_SM86: u32 = 99 * 1024;
+const SMEM_SM80: u32 = 163 * 1024;
+const SMEM_SM90: u32 = 227 * 1024;
+
+#[test]
+fn symbols_are_unique() {
+    let mut seen = std::collections::HashSet::new();
+    for v in VARIANTS {
+        assert!(
+            seen.insert(v.symbol()),
+            "duplicate kernel symbol {}",
+            v.symbol()
+        );
+    }
+}
+
+/// What the dispatcher does (src/cuda/mod.rs `choose`): the first entry of a class that fits the
+/// smem and admits seq_q.
+fn pick_sq(
+    (family, kind, dtype, d, mask): (&str, KKind, KDType, u32, KMask),
+    smem: u32,
+    sq: u32,
+) -> Option<&'static Variant> {
+    VARIANTS.iter().find(|v| {
+        v.family == family
+            && v.kind == kind
+            && v.dtype == dtype
+            && v.head_dim == d
+            && v.mask == mask
+            && v.smem_bytes() <= smem
+            && sq <= v.max_sq
+    })
+}
+
+fn pick(
+    family: &str,
+    kind: KKind,
+    dtype: KDType,
+    d: u32,
+    mask: KMask,
+    smem: u32,
+) -> Option<&'static Variant> {
+    pick_sq((family, kind, dtype, d, mask), smem, 1)
+}
+
+#[test]
+fn every_class_serves_every_seq_len() {
+    // An entry with a max_sq must be followed by one that takes longer queries.
+    for v in VARIANTS {
+        let class = (v.family, v.kind, v.dtype, v.head_dim, v.mask);
+        for sq in [1, 2048, 2049, 4096, 4097, 1 << 20] {
+            assert!(
+                pick_sq(class, SMEM_SM90, sq).is_some(),
+                "{}: nothing serves seq_q {sq}",
+                v.symbol()
+            );
+        }
+    }
+    let class = ("sm90", KKind::Fwd, KDType::Bf16, 64, KMask::Causal);
+    let short = pick_sq(class, SMEM_SM90, 2048).unwrap();
+    let long = pick_sq(class, SMEM_SM90, 2049).unwrap();
+    assert_eq!((short.block_m, long.block_m), (128, 192));
+}
+
+#[test]
+fn every_sm80_class_fits_every_target() {
+    for dtype in [KDType::Bf16, KDType::F16] {
+        for d in [64, 128, 256] {
+            for mask in [KMask::None, KMask::Causal, KMask::Local] {
+                for kind in [KKind::Fwd, KKind::Decode] {
+                    for smem in [SMEM_SM86, SMEM_SM80, SMEM_SM90] {
+                        let v = pick("sm80", kind, dtype, d, mask, smem);
+                        assert!(
+                            v.is_some(),
+                            "no sm80 {kind:?} {dtype:?} d{d} {mask:?} tile within {smem} B of smem"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn larger_tiles_are_preferred_where_they_fit() {
+    // d256: the 128 KB tile on sm_80/sm_90, the 96 KB one on sm_86/89.
+    let big = pick(
+        "sm80",
+        KKind::Fwd,
+        KDType::Bf16,
+        256,
+        KMask::None,
+        SMEM_SM80,
+    )
+    .unwrap();
+    let small = pick(
+        "sm80",
+        KKind::Fwd,
+        KDType::Bf16,
+        256,
+        KMask::None,
+        SMEM_SM86,
+    )
+    .unwrap();
+    assert_eq!(
+        (big.block_m, big.block_n, big.smem_bytes()),
+        (128, 64, 128 * 1024)
+    );
+    assert_eq!(
+        (small.block_m, small.block_n, small.smem_bytes()),
+        (64, 32, 96 * 1024)
+    );
+    assert_ne!(big.symbol(), small.symbol());
+    // The tile is launched as the table says: warps cover block_m in m16 tiles.
+    for v in VARIANTS
+        .iter()
+        .filter(|v| v.family == "sm80" && v.kind == KKind::Fwd)
+    {
+        assert_eq!(v.block_m % (16 * v.warps), 0, "{}", v.symbol());
+        assert!(v.stages == 1 || v.stages == 2, "{}", v.symbol());
+    }
+}
+
+#[test]
+fn sm90_kernels_fit_hopper() {
+    for v in VARIANTS.iter().filter(|v| v.family == "sm90") {
+        assert!(
+            v.smem_bytes() <= SMEM_SM90,
+            "{} needs {} B",
+            v.symbol(),
+            v.smem_bytes()
+        );
+    }
+}
