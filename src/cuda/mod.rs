@@ -547,7 +547,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
             // Persistent grid (one CTA per SM looping over tiles). Equal tiles (no mask) take the
             // kernel's static round-robin schedule. Causal d64/d128 kernels with up to 32 query
             // blocks draw their tiles from a zeroed counter, longest first (dynamic schedule,
-            // kernels/sm90/fwd.cuh `DYN`): +7-16 % at 512-2k, +2-3 % at 4k, but 2-6 % slower
+            // kernels/sm90/fwd.cuh `DYN`): +1-16 % at 512-2k, +2-3 % at 4k, but 2-6 % slower
             // than one CTA per tile at 16k (H100, session 3, docs/perf.md). Other causal problems:
             // persistent up to 8 query blocks, else one CTA per tile, the hardware balancing the
             // unequal tiles. FLASHCORE_SM90_CAUSAL=static turns the dynamic schedule off (an A/B
