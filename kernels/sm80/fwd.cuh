@@ -218,6 +218,30 @@ __device__ __forceinline__ void mask_tile(float (&s)[MT][NS][4], int nb, int war
     }
 }
 
+// Max of row half `hf` (accumulator elements 2*hf, 2*hf+1) of one m16 tile of S and `init`,
+// across the quad of lanes that holds the row.
+template <int NS>
+__device__ __forceinline__ float row_max(const float (&s)[NS][4], int hf, float init) {
+    float mx = init;
+#pragma unroll
+    for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * hf], s[j][2 * hf + 1]));
+    return fc::quad_max(mx);
+}
+// Row half `hf` of S becomes P = exp2(s * sl2 - msc); returns this lane's part of the row sum.
+template <int NS>
+__device__ __forceinline__ float exp_row(float (&s)[NS][4], int hf, float sl2, float msc) {
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float pv = fc::exp2_approx(fmaf(s[j][2 * hf + e], sl2, -msc));
+            s[j][2 * hf + e] = pv;
+            sum += pv;
+        }
+    return sum;
+}
+
 // Online softmax of one S tile: s becomes P (unnormalised, f32), O and l are rescaled.
 template <bool LAZY, int MT, int NS, int ND>
 __device__ __forceinline__ void softmax_tile(float (&s)[MT][NS][4], float (&o)[MT][ND][4],
@@ -228,23 +252,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][NS][4], float (&o)[M
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                float mx = row_m[mt][hf];
-#pragma unroll
-                for (int j = 0; j < NS; ++j)
-                    mx = fmaxf(mx, fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]));
-                mx = fc::quad_max(mx);
+                const float mx = row_max(s[mt], hf, row_m[mt][hf]);
                 float msc;
                 const float alpha = fc::online_rescale(row_m[mt][hf], mx, sl2, msc);
                 row_m[mt][hf] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int j = 0; j < NS; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float pv = fc::exp2_approx(fmaf(s[mt][j][2 * hf + e], sl2, -msc));
-                        s[mt][j][2 * hf + e] = pv;
-                        sum += pv;
-                    }
+                const float sum = exp_row(s[mt], hf, sl2, msc);
                 row_l[mt][hf] = row_l[mt][hf] * alpha + sum;
 #pragma unroll
                 for (int j = 0; j < ND; ++j) {
@@ -260,11 +272,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][NS][4], float (&o)[M
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const float m_old = row_m[mt][hf];
-                float mx = m_old;
-#pragma unroll
-                for (int j = 0; j < NS; ++j)
-                    mx = fmaxf(mx, fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]));
-                mx = fc::quad_max(mx);
+                const float mx = row_max(s[mt], hf, m_old);
                 // mx >= m_old. (-inf) - (-inf) = NaN compares false: an empty row stays -inf.
                 // m_old = -inf with a finite mx gives +inf > threshold: first max is taken.
                 const bool up = (mx - m_old) * sl2 > FWD_LAZY_LOG2;
@@ -274,15 +282,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][NS][4], float (&o)[M
                 alpha[mt][hf] = up ? fc::exp2_approx(m_old * sl2 - msc) : 1.f;
                 up_any |= up;
                 row_m[mt][hf] = m_new;
-                float sum = 0.f;
-#pragma unroll
-                for (int j = 0; j < NS; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float pv = fc::exp2_approx(fmaf(s[mt][j][2 * hf + e], sl2, -msc));
-                        s[mt][j][2 * hf + e] = pv;
-                        sum += pv;
-                    }
+                const float sum = exp_row(s[mt], hf, sl2, msc);
                 row_l[mt][hf] = fmaf(row_l[mt][hf], alpha[mt][hf], sum);
             }
         if (__any_sync(0xffffffffu, up_any)) {
