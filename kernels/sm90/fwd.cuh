@@ -443,18 +443,22 @@ struct FwdSm90 {
             // to registers), then issue S_i = Q K_i^T and O += P_{i-1} V_{i-1}; softmax_i overlaps that
             // P V. The wait for P V sits at the top of the next iteration (after the loop back-edge) so
             // ptxas cannot hoist it above the softmax. ----
-            for (int i = 1; i < NT; ++i) {
-                const int n = NT - 1 - i;
+            // Finish the P V in flight (if `release`, free its V stage), rescale O, P to registers.
+            auto finish_pv = [&](bool release) {
                 wg_wait<0>();
                 fence_regs(o);
                 fence_regs(pa);
-                if (i >= 2) {
+                if (release) {
                     if (t128 == 0) mbar_arrive(empty_v(vs.stage));
                     vs.advance();
                 }
 #pragma unroll
                 for (int j = 0; j < D / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
                 convert_p();
+            };
+            for (int i = 1; i < NT; ++i) {
+                const int n = NT - 1 - i;
+                finish_pv(i >= 2);
                 mbar_wait(full_k(ks.stage), ks.phase);
                 sched_sync();
                 fence_regs(s);
@@ -473,16 +477,7 @@ struct FwdSm90 {
                 ks.advance();
                 softmax(n, alpha);
             }
-            wg_wait<0>();
-            fence_regs(o);
-            fence_regs(pa);
-            if (NT >= 2) {
-                if (t128 == 0) mbar_arrive(empty_v(vs.stage));
-                vs.advance();
-            }
-#pragma unroll
-            for (int j = 0; j < D / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
-            convert_p();
+            finish_pv(NT >= 2);
             // all Q K^T of this tile are complete: with a separate O buffer, Q can be reloaded now
             if (SEP_O && t128 == 0) mbar_arrive(q_empty);
             // ---- tail: O += P_{T-1} V_{T-1} ----
