@@ -114,8 +114,9 @@ fn main() {
         }
         for v in &chosen {
             src += &format!(
-                "{}({}, {}, {}, {}, {}, {}, {}, {})\n",
+                "{}{}({}, {}, {}, {}, {}, {}, {}, {})\n",
                 kind_macro(fam.name, v.kind),
+                v.macro_suffix(),
                 v.symbol(),
                 v.dtype.cuda_type(),
                 v.head_dim,

@@ -85,28 +85,43 @@ pub struct Variant {
     /// Longest seq_q this variant is preferred for (`u32::MAX`: any). Entries of one problem
     /// class are tried in table order; see `VARIANTS`.
     pub max_sq: u32,
+    /// sm80 forward only: key-split warp pairs (`FC_SM80_FWD_PAIRS`, kernels/sm80/fwd.cuh): two
+    /// warps share 2 x 16 query rows, split the keys of S and the columns of O, and swap P
+    /// through shared memory.
+    pub warp_pairs: bool,
 }
 
 impl Variant {
-    /// Entry-point name: `fc_<family>_<kind>_<dtype>_d<head_dim>_<mask>_<block_m>x<block_n>`
-    /// (the tile tells apart the variants of one problem class that need different smem).
+    /// Entry-point name: `fc_<family>_<kind>_<dtype>_d<head_dim>_<mask>_<block_m>x<block_n>`,
+    /// plus `p` for warp pairs (the tile tells apart the variants of one problem class that need
+    /// different smem).
     pub fn symbol(&self) -> String {
         format!(
-            "fc_{}_{}_{}_d{}_{}_{}x{}",
+            "fc_{}_{}_{}_d{}_{}_{}x{}{}",
             self.family,
             self.kind.name(),
             self.dtype.name(),
             self.head_dim,
             self.mask.name(),
             self.block_m,
-            self.block_n
+            self.block_n,
+            if self.warp_pairs { "p" } else { "" }
         )
+    }
+    /// The instantiation macro's suffix in the family's `<kind>.cuh` (`FC_SM80_FWD_PAIRS`).
+    pub const fn macro_suffix(&self) -> &'static str {
+        if self.warp_pairs {
+            "_PAIRS"
+        } else {
+            ""
+        }
     }
     pub const fn threads(&self) -> u32 {
         self.warps * 32
     }
     /// Dynamic shared memory the kernel is launched with, in bytes (16-bit elements):
-    /// Q tile plus `stages` K and V tiles.
+    /// Q tile plus `stages` K and V tiles (and for warp pairs their P tiles and f32 row maxima
+    /// and sums, as `fc_sm80::fwd_smem_bytes`).
     pub const fn smem_bytes(&self) -> u32 {
         let tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2;
         if self.is_family("sm90") {
@@ -114,6 +129,9 @@ impl Variant {
             // of alignment slack for the 128B swizzle and 256 B of barriers.
             let sep_o = tiles + self.block_m * self.head_dim * 2 + 1280 <= 232448;
             tiles + if sep_o { self.block_m * self.head_dim * 2 } else { 0 } + 1280
+        } else if self.warp_pairs {
+            let rows_per_pair = self.block_m / (self.warps / 2);
+            tiles + self.block_m * self.block_n * 2 + 2 * self.warps * rows_per_pair * 4
         } else {
             tiles
         }
@@ -170,7 +188,7 @@ const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // Tile shapes (block_m x block_n, warps, K/V stages) per head dim; see docs/perf.md.
     // Measured on H100 (sm_90 SASS of the mma.sync kernel), bf16, 16k tokens, vs torch FA2.
     // Dynamic smem = (block_m + 2*stages*block_n) * head_dim * 2:
-    //   d64 48 KB, d128 64 KB (fit sm_86/89's 99 KB), d256 128 KB (sm_80 / sm_90 only; sm_86/89
+    //   d64 48 KB, d128 64 KB (fit sm_86/89's 99 KB), d256 128 KB (sm_80; sm_90 takes `sm80_pairs`, sm_86/89
     //   take the `sm80_small` tile below).
     // The Local (MASK_ID 2) kernel of d128 128x32 spills a few bytes: use (64, 64, 4, 2) for it.
     let (block_m, block_n, warps, stages) = match (head_dim, mask) {
@@ -179,14 +197,22 @@ const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         (128, _) => (128, 32, 4, 2),
         _ => (128, 64, 8, 1),
     };
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false }
+}
+
+const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
+    // d256 with key-split warp pairs: 128x128, 8 warps (4 pairs of 32 rows), one K and one V
+    // stage, 226 KB (H100 / sm_90 only). Per 128-key tile a warp reads 88 KB of smem for 32 x 128
+    // outputs where the 128x64 tile's warps read 144 KB for 16 x 256. Forced sm80 on the H100,
+    // bf16 8 x 8 heads x 2k non-causal: 355 TFLOPS against 306 (session 4, docs/perf.md).
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true }
 }
 
 const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // d256 for GPUs with 99 KB of smem per block (sm_86/89): 64x32, 4 warps, 2 stages = 96 KB.
     // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100 (session 3, docs/perf.md),
     // where the 128 KB tile above runs 1.04-1.08x.
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false }
 }
 
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -196,7 +222,7 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         256 => (32, 32, 2, 2),
         _ => (64, 64, 4, 2),
     };
-    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX }
+    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false }
 }
 
 const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -211,7 +237,7 @@ const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
 
 const fn sm90_tile(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, block_n: u32, max_sq: u32) -> Variant {
     let warps = (block_m / 64 + 1) * 4;
-    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages: 2, max_sq }
+    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages: 2, max_sq, warp_pairs: false }
 }
 
 /// Causal d64 up to 2k query rows: 128-row tiles. With 192-row ones the causal grid computes
@@ -254,10 +280,13 @@ pub const VARIANTS: &[Variant] = &[
     sm80(KDType::Bf16, 128, KMask::None),
     sm80(KDType::Bf16, 128, KMask::Causal),
     sm80(KDType::Bf16, 128, KMask::Local),
+    sm80_pairs(KDType::Bf16, 256, KMask::None),
     sm80(KDType::Bf16, 256, KMask::None),
     sm80_small(KDType::Bf16, 256, KMask::None),
+    sm80_pairs(KDType::Bf16, 256, KMask::Causal),
     sm80(KDType::Bf16, 256, KMask::Causal),
     sm80_small(KDType::Bf16, 256, KMask::Causal),
+    sm80_pairs(KDType::Bf16, 256, KMask::Local),
     sm80(KDType::Bf16, 256, KMask::Local),
     sm80_small(KDType::Bf16, 256, KMask::Local),
     sm80(KDType::F16, 64, KMask::None),
@@ -266,10 +295,13 @@ pub const VARIANTS: &[Variant] = &[
     sm80(KDType::F16, 128, KMask::None),
     sm80(KDType::F16, 128, KMask::Causal),
     sm80(KDType::F16, 128, KMask::Local),
+    sm80_pairs(KDType::F16, 256, KMask::None),
     sm80(KDType::F16, 256, KMask::None),
     sm80_small(KDType::F16, 256, KMask::None),
+    sm80_pairs(KDType::F16, 256, KMask::Causal),
     sm80(KDType::F16, 256, KMask::Causal),
     sm80_small(KDType::F16, 256, KMask::Causal),
+    sm80_pairs(KDType::F16, 256, KMask::Local),
     sm80(KDType::F16, 256, KMask::Local),
     sm80_small(KDType::F16, 256, KMask::Local),
     sm80_decode(KDType::Bf16, 64, KMask::None),

@@ -93,7 +93,24 @@ fn every_sm80_class_fits_every_target() {
 
 #[test]
 fn larger_tiles_are_preferred_where_they_fit() {
-    // d256: the 128 KB tile on sm_80/sm_90, the 96 KB one on sm_86/89.
+    // d256: the 226 KB warp-pair tile on sm_90, the 128 KB tile on sm_80, the 96 KB one on
+    // sm_86/89.
+    let pairs = pick(
+        "sm80",
+        KKind::Fwd,
+        KDType::Bf16,
+        256,
+        KMask::None,
+        SMEM_SM90,
+    )
+    .unwrap();
+    assert!(pairs.warp_pairs, "{}", pairs.symbol());
+    // 128x128 Q/K/V tiles, 128x128 P tile, 2 x 8 warps x 32 rows of f32 row statistics.
+    assert_eq!(
+        (pairs.block_m, pairs.block_n, pairs.smem_bytes()),
+        (128, 128, 192 * 1024 + 32 * 1024 + 2048)
+    );
+    assert!(pairs.symbol().ends_with("_128x128p"), "{}", pairs.symbol());
     let big = pick(
         "sm80",
         KKind::Fwd,
@@ -126,8 +143,15 @@ fn larger_tiles_are_preferred_where_they_fit() {
         .iter()
         .filter(|v| v.family == "sm80" && v.kind == KKind::Fwd)
     {
-        assert_eq!(v.block_m % (16 * v.warps), 0, "{}", v.symbol());
+        // (warp pairs: each pair covers 32 rows, so 8 rows per warp)
+        let rows_per_warp = if v.warp_pairs { 8 } else { 16 };
+        assert_eq!(v.block_m % (rows_per_warp * v.warps), 0, "{}", v.symbol());
         assert!(v.stages == 1 || v.stages == 2, "{}", v.symbol());
+        if v.warp_pairs {
+            // fwd_body_pair: one stage, whole 64-key P swizzle rows, named barriers 1..15.
+            assert!(v.stages == 1 && v.block_n % 64 == 0 && v.block_n <= 128);
+            assert!(v.warps % 2 == 0 && v.warps <= 30 && v.head_dim == 256);
+        }
     }
 }
 

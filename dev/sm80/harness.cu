@@ -14,6 +14,7 @@
 #include <omp.h>
 #include "common/params.h"
 #include "reg.h"
+#include "sm80/fwd.cuh"
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
   fprintf(stderr, "CUDA error %s at %s:%d: %s\n", #x, __FILE__, __LINE__, cudaGetErrorString(e_)); exit(1);} } while (0)
@@ -62,7 +63,7 @@ static const KEntry* find_k(int dt, int d, int mask, int cfg_idx) {
 }
 
 static void launch(const KEntry& k, const FcParams& p, cudaStream_t st = 0) {
-  int smem = (k.bm + 2 * k.stages * k.bn) * k.d * 2;
+  int smem = fc_sm80::fwd_smem_bytes(k.d, k.bm, k.bn, k.warps, k.stages, k.opt);
   static const void* last_set[4096]; static int nset = 0;
   bool found = false;
   for (int i = 0; i < nset; i++) if (last_set[i] == k.fn) found = true;

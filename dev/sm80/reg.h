@@ -1,7 +1,7 @@
 #pragma once
 #include <vector>
 #include <string>
-struct KEntry { std::string name; int dt; int d, mask, bm, bn, warps, stages; const void* fn; };
+struct KEntry { std::string name; int dt; int d, mask, bm, bn, warps, stages; const void* fn; int opt = 0; };
 void reg_d64(std::vector<KEntry>&);
 void reg_d128(std::vector<KEntry>&);
 void reg_d256(std::vector<KEntry>&);

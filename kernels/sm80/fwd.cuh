@@ -3,10 +3,12 @@
 //
 // FC_SM80_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) defines
 //   extern "C" __global__ void __launch_bounds__(WARPS*32) SYMBOL(const __grid_constant__ FcParams p)
+// (FC_SM80_FWD_PAIRS: the same with key-split warp pairs, fwd_body_pair).
 //
 // Launch contract:
 //   grid  = (ceil(sq / BLOCK_M), hq, b), block = WARPS*32 threads,
-//   dynamic shared memory = (BLOCK_M + 2*STAGES*BLOCK_N) * HEAD_DIM * 2 bytes
+//   dynamic shared memory = fc_sm80::fwd_smem_bytes(): (BLOCK_M + 2*STAGES*BLOCK_N) * HEAD_DIM * 2
+//   bytes, plus the pairs' P tiles and row statistics for FC_SM80_FWD_PAIRS
 //   (cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) above 48 KB).
 //   BLOCK_M must be a multiple of 16*WARPS; BLOCK_N a multiple of 16; HEAD_DIM in {64, 128, 256};
 //   STAGES in {1, 2}: 1 = one K and one V buffer (FA2 schedule: V load overlaps Q.K^T, next K
@@ -81,6 +83,23 @@ __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
+// threadIdx.x through a volatile read: values derived from it are recomputed, not kept live.
+__device__ __forceinline__ int tid_remat() {
+    uint32_t x;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
+    return (int)x;
+}
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -116,11 +135,15 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
     asm volatile("mov.b64 %0, %1;" : "=l"(step) : "l"((int64_t)ROWS_PER_PASS * stride));
     const T* src = g + (int64_t)r0 * stride + ch * 8;
     uint32_t dst = s + swz<D>(r0, ch);
+    // Row r0 + i * ROWS_PER_PASS is valid when i * ROWS_PER_PASS < rem: one live register and
+    // compares against immediates (a row index per pass kept 16 registers live across the
+    // key loop of the 128-key tiles).
+    const int rem = valid - r0;
 #pragma unroll
     for (int i = 0; i < (TOTAL + NTHREADS - 1) / NTHREADS; ++i) {
         const int r = r0 + i * ROWS_PER_PASS;
         if (TOTAL % NTHREADS == 0 || r < NROWS) {
-            const bool ok = r < valid;
+            const bool ok = i * ROWS_PER_PASS < rem;
             // (r & 7) changes between passes only when ROWS_PER_PASS % 8 != 0
             const uint32_t d = (ROWS_PER_PASS % 8 == 0) ? dst + i * ROWS_PER_PASS * (D * 2)
                                                         : s + swz<D>(r, ch);
@@ -142,7 +165,9 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //   FWD_XADDR: swizzled ldmatrix addresses as lane_base ^ (j << 5) (+ immediates) instead of four
 //     precomputed chunk offsets per operand, recomputed per tile from one laundered register:
 //     ~9 fewer registers live across the key loop, +1 LOP3 per ldmatrix address.
-enum { FWD_LAZY = 1, FWD_XADDR = 4 };
+//   FWD_PAIR: key-split warp pairs (fwd_body_pair below; STAGES 1): two warps share 2x the rows
+//     and split the keys of S and the columns of O; needs fwd_smem_bytes() of dynamic smem.
+enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8 };
 
 __device__ __forceinline__ uint32_t launder32(uint32_t x) {
     asm volatile("mov.b32 %0, %1;" : "=r"(x) : "r"(x));
@@ -157,7 +182,9 @@ __device__ __forceinline__ uint32_t lane_addr(uint32_t base, const uint32_t (&of
 constexpr float FWD_LAZY_LOG2 = 8.f;
 
 // S = Q K^T for one key tile (Q fragments re-read from shared memory per k-step).
-template <typename T, int D, int MT, int NS, bool XA = false>
+// KU: unroll factor of the k16 loop (KD = full; smaller bounds how far ptxas hoists the next
+// steps' ldmatrix loads, i.e. the registers they hold).
+template <typename T, int D, int MT, int NS, bool XA = false, int KU = D / 16>
 __device__ __forceinline__ void qk_tile(float (&s)[MT][NS][4], uint32_t q_lane,
                                         const uint32_t (&q_off)[4], uint32_t k_base,
                                         const uint32_t (&k_off)[4]) {
@@ -172,7 +199,7 @@ __device__ __forceinline__ void qk_tile(float (&s)[MT][NS][4], uint32_t q_lane,
         for (int j = 0; j < NS; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
-#pragma unroll
+#pragma unroll KU
     for (int kk = 0; kk < KD; ++kk) {
         uint32_t a[MT][4];
 #pragma unroll
@@ -192,15 +219,17 @@ __device__ __forceinline__ void qk_tile(float (&s)[MT][NS][4], uint32_t q_lane,
 }
 
 // -inf outside the visible band (ragged key tail, causal diagonal, window edges).
+// col_off: first key of this warp's columns inside the key tile (key-split warp pairs).
 template <int MASK, int BN, int MT, int NS>
 __device__ __forceinline__ void mask_tile(float (&s)[MT][NS][4], int nb, int warp_r0, int row_thr,
-                                          int lane, int sq, int sk, int wl, int wr) {
+                                          int lane, int sq, int sk, int wl, int wr,
+                                          int col_off = 0) {
     if (fc::tile_needs_mask<MASK, BN>(nb, warp_r0, warp_r0 + 16 * MT - 1, sq, sk, wl, wr)) {
         // Re-read the lane id here instead of keeping per-lane row/column terms live across the
         // key loop (register pressure).
         asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
         row_thr = warp_r0 + (lane >> 2);
-        const int col0 = nb * BN + 2 * (lane & 3);
+        const int col0 = nb * BN + col_off + 2 * (lane & 3);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -328,6 +357,77 @@ __device__ __forceinline__ void pv_tile(const float (&s)[MT][NS][4], float (&o)[
     }
 }
 
+// One CTA's query block: grid decoding, global pointers and the visible key-tile range.
+template <typename T, int MASK, int BM, int BN>
+struct FwdTile {
+    int m0, rows_valid, n_min, n_max;
+    const T* qg;
+    const T* kg;
+    const T* vg;
+    T* og;
+    float* lseg;
+    __device__ __forceinline__ explicit FwdTile(const FcParams& p) {
+        // Grid (m_blocks, hq, b) without a mask. Causal/local: grid (hq, m_blocks, b), heaviest
+        // query blocks first across every head (blocks are issued x-fastest), so the last wave
+        // holds the lightest tiles.
+        const int m_block = MASK != 0 ? (int)(gridDim.y - 1 - blockIdx.y) : (int)blockIdx.x;
+        const int h = MASK != 0 ? (int)blockIdx.x : (int)blockIdx.y;
+        const int bz = blockIdx.z;
+        const int hk = h / p.h_ratio;
+        m0 = m_block * BM;
+        rows_valid = min(BM, p.sq - m0);
+        qg = reinterpret_cast<const T*>(p.q) + bz * p.q_batch_stride + h * p.q_head_stride +
+             (int64_t)m0 * p.q_row_stride;
+        kg = reinterpret_cast<const T*>(p.k) + bz * p.k_batch_stride + hk * p.k_head_stride;
+        vg = reinterpret_cast<const T*>(p.v) + bz * p.v_batch_stride + hk * p.v_head_stride;
+        og = reinterpret_cast<T*>(p.o) + bz * p.o_batch_stride + h * p.o_head_stride +
+             (int64_t)m0 * p.o_row_stride;
+        lseg = p.lse + ((int64_t)bz * p.hq + h) * p.sq + m0;
+        fc::key_tile_range<MASK, BN>(m0, m0 + rows_valid - 1, p.sq, p.sk, p.window_left,
+                                     p.window_right, n_min, n_max);
+    }
+    // K or V rows of key tile nb, recomputed from %ctaid and the parameters at each use: the
+    // volatile reads keep the compiler from holding the pointers (and what load_tile derives
+    // from them) in registers across the key loop (used where the loop has none to spare).
+    __device__ __forceinline__ static void ctaid_remat(int& m_block, int& h, int& bz) {
+        uint32_t x, y, z;
+        asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+        asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
+        asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+        m_block = MASK != 0 ? (int)(gridDim.y - 1 - y) : (int)x;
+        h = (int)(MASK != 0 ? x : y);
+        bz = (int)z;
+    }
+    __device__ __forceinline__ static const T* kv_tile_remat(const void* base, int64_t batch_stride,
+                                                             int64_t head_stride, int64_t row_stride,
+                                                             int h_ratio, int nb) {
+        int m_block, h, bz;
+        ctaid_remat(m_block, h, bz);
+        return reinterpret_cast<const T*>(base) + bz * batch_stride + (h / h_ratio) * head_stride +
+               (int64_t)nb * BN * row_stride;
+    }
+    // og and lseg the same way (for an epilogue after a loop with no registers to spare).
+    __device__ __forceinline__ static void out_remat(const FcParams& p, T*& og, float*& lseg) {
+        int m_block, h, bz;
+        ctaid_remat(m_block, h, bz);
+        const int m0 = m_block * BM;
+        og = reinterpret_cast<T*>(p.o) + bz * p.o_batch_stride + h * p.o_head_stride +
+             (int64_t)m0 * p.o_row_stride;
+        lseg = p.lse + ((int64_t)bz * p.hq + h) * p.sq + m0;
+    }
+    // No row of this block sees any key: O = 0, LSE = -inf.
+    template <int D, int NTH>
+    __device__ __forceinline__ void write_empty(const FcParams& p, int tid) const {
+        constexpr int CH = D / 8;
+        for (int c = tid; c < rows_valid * CH; c += NTH) {
+            const int r = c / CH, ch = c % CH;
+            *reinterpret_cast<uint4*>(og + (int64_t)r * p.o_row_stride + ch * 8) =
+                make_uint4(0, 0, 0, 0);
+        }
+        for (int r = tid; r < rows_valid; r += NTH) lseg[r] = FC_NEG_INF;
+    }
+};
+
 template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES, int OPT = 0>
 __device__ __forceinline__ void fwd_body(const FcParams& p) {
     static_assert(D == 64 || D == 128 || D == 256, "HEAD_DIM must be 64, 128 or 256");
@@ -354,42 +454,19 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    // Causal/local: heaviest query blocks first (better tail across the grid).
-    // Grid (m_blocks, hq, b) without a mask. Causal/local: grid (hq, m_blocks, b), heaviest query
-    // blocks first across every head (blocks are issued x-fastest), so the last wave holds the
-    // lightest tiles.
-    const int m_block = MASK != 0 ? (int)(gridDim.y - 1 - blockIdx.y) : (int)blockIdx.x;
-    const int h = MASK != 0 ? (int)blockIdx.x : (int)blockIdx.y;
-    const int bz = blockIdx.z;
-    const int hk = h / p.h_ratio;
-    const int sq = p.sq, sk = p.sk;
-    const int m0 = m_block * BM;
-    const int rows_valid = min(BM, sq - m0);
-    const int wl = p.window_left, wr = p.window_right;
-
-    const T* __restrict__ qg = reinterpret_cast<const T*>(p.q) + bz * p.q_batch_stride +
-                               h * p.q_head_stride + (int64_t)m0 * p.q_row_stride;
-    const T* __restrict__ kg =
-        reinterpret_cast<const T*>(p.k) + bz * p.k_batch_stride + hk * p.k_head_stride;
-    const T* __restrict__ vg =
-        reinterpret_cast<const T*>(p.v) + bz * p.v_batch_stride + hk * p.v_head_stride;
-    T* __restrict__ og = reinterpret_cast<T*>(p.o) + bz * p.o_batch_stride + h * p.o_head_stride +
-                         (int64_t)m0 * p.o_row_stride;
-    float* __restrict__ lseg = p.lse + ((int64_t)bz * p.hq + h) * sq + m0;
-
-    int n_min, n_max;
-    fc::key_tile_range<MASK, BN>(m0, m0 + rows_valid - 1, sq, sk, wl, wr, n_min, n_max);
-
-    if (n_max <= n_min) {
-        // No row of this block sees any key: O = 0, LSE = -inf.
-        for (int c = tid; c < rows_valid * CH; c += NTH) {
-            const int r = c / CH, ch = c % CH;
-            *reinterpret_cast<uint4*>(og + (int64_t)r * p.o_row_stride + ch * 8) =
-                make_uint4(0, 0, 0, 0);
-        }
-        for (int r = tid; r < rows_valid; r += NTH) lseg[r] = FC_NEG_INF;
+    const FwdTile<T, MASK, BM, BN> t(p);
+    if (t.n_max <= t.n_min) {
+        t.template write_empty<D, NTH>(p, tid);
         return;
     }
+    const int sq = p.sq, sk = p.sk;
+    const int m0 = t.m0, rows_valid = t.rows_valid, n_min = t.n_min, n_max = t.n_max;
+    const int wl = p.window_left, wr = p.window_right;
+    const T* __restrict__ qg = t.qg;
+    const T* __restrict__ kg = t.kg;
+    const T* __restrict__ vg = t.vg;
+    T* __restrict__ og = t.og;
+    float* __restrict__ lseg = t.lseg;
 
     // Prologue: Q and the first (highest) key tile.
     load_tile<BM, D, NTH>(sQ, qg, p.q_row_stride, rows_valid, tid);
@@ -573,9 +650,269 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     }
 }
 
+
+// Key-split warp pairs (FWD_PAIR; written for d256, where one warp cannot hold 32 rows of O).
+// Warps 2i and 2i+1 own the same RW = BM / (WARPS/2) query rows (MT = RW/16 m16 tiles each):
+//   S:  warp half h computes the rows' scores against keys [h*BN/2, (h+1)*BN/2) of the tile;
+//   max: the pair swaps its partial row maxima through smem, so both use the same running max;
+//   P:  each warp stores its half of P (16-bit) to smem; O columns [h*D/2, (h+1)*D/2) += P V with
+//       its own P half from registers and the partner's from smem (ldmatrix);
+//   l:  partial row sums per warp in smem (O and S take every register of the 128-key tile;
+//       the sums are touched once per tile), added once in the epilogue.
+// Per key tile every warp reads Q (RW rows), half of K and half of V's columns from smem: with
+// BM 128, BN 64, 8 warps that is 416 KB of shared-memory reads per tile against 576 KB when one
+// warp owns 16 full rows, at the same MMA count and half the O registers per row.
+// Registers: O (MT*ND*4 = 128) and S (MT*NS*4 = 64 at BN 128) leave none to spare, so the
+// Q.K^T k16 loop and the partner-half P.V loop stay rolled (unrolled, ptxas hoists the next
+// steps' ldmatrix loads and spills 20-50 B; session 4 measured rolled within 2 % of unrolled
+// and spill-free on sm_80 and sm_90), the row sums live in smem and the K/V/O pointers are
+// recomputed where they are used.
+// Schedule as STAGES 1 of fwd_body (V load beside Q.K^T, next K load beside softmax and P.V);
+// the second __syncthreads of a tile also publishes the partial maxima, and one 64-thread named
+// barrier per pair (id 1 + pair) publishes P.
+// Extra dynamic smem after the K and V tiles: P [WARPS/2][RW][BN] (16-bit), then f32 [WARPS][RW]
+// partial maxima and f32 [WARPS][RW] partial sums.
+template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES>
+__device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
+    static_assert(STAGES == 1, "key-split pairs use the one-stage schedule");
+    static_assert(WARPS % 2 == 0 && WARPS <= 30, "warps come in pairs (named barriers 1..15)");
+    constexpr int NTH = WARPS * 32;
+    constexpr int PAIRS = WARPS / 2;
+    constexpr int RW = BM / PAIRS;  // query rows of a pair
+    static_assert(RW * PAIRS == BM && RW % 16 == 0, "BLOCK_M must be a multiple of 8*WARPS");
+    static_assert(BN == 64 || BN == 128, "P rows must span whole 128-byte swizzle groups");
+    constexpr int MT = RW / 16;  // m16 tiles per warp
+    constexpr int HB = BN / 2;   // keys per warp
+    constexpr int NS = HB / 8;   // n8 tiles of S per m16 tile
+    constexpr int DH = D / 2;    // O columns per warp
+    constexpr int ND = DH / 8;   // n8 tiles of O per m16 tile
+    constexpr int CH = D / 8;
+    using E = Elem<T>;
+
+    extern __shared__ __align__(128) unsigned char fc_sm80_fwd_smem[];
+    const uint32_t sQ = smem_addr(fc_sm80_fwd_smem);
+    const uint32_t sK = sQ + BM * D * 2;
+    const uint32_t sV = sK + BN * D * 2;
+    const uint32_t sP = sV + BN * D * 2;
+    const uint32_t sRed = sP + PAIRS * RW * BN * 2;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int pair = warp >> 1, half = warp & 1;
+    const FwdTile<T, MASK, BM, BN> t(p);
+    if (t.n_max <= t.n_min) {
+        t.template write_empty<D, NTH>(p, tid);
+        return;
+    }
+    const int sq = p.sq, sk = p.sk;
+    const int wl = p.window_left, wr = p.window_right;
+
+    // Prologue: Q and the first (highest) key tile.
+    load_tile<BM, D, NTH>(sQ, t.qg, p.q_row_stride, t.rows_valid, tid);
+    {
+        const int nb = t.n_max - 1;
+        load_tile<BN, D, NTH>(sK, t.kg + (int64_t)nb * BN * p.k_row_stride, p.k_row_stride,
+                              sk - nb * BN, tid);
+        cp_async_commit();
+    }
+
+    // ldmatrix geometry as in fwd_body with XOR addressing (FWD_XADDR: each lane base holds the
+    // lane's swizzled chunk 0); every row offset below is a multiple of 8.
+    const int sw = lane & 7;
+    const int warp_row = pair * RW;
+    const uint32_t q_lane = sQ + (warp_row + (lane & 15)) * (D * 2) + (((lane >> 4) ^ sw) << 4);
+    const uint32_t k_lane = sK + (half * HB + (lane & 7) + ((lane >> 4) << 3)) * (D * 2) +
+                            ((((lane >> 3) & 1) ^ sw) << 4);
+    const uint32_t v_lane = sV + ((lane & 7) + (((lane >> 3) & 1) << 3)) * (D * 2) +
+                            half * DH * 2 + (((lane >> 4) ^ sw) << 4);
+    const uint32_t no_off[4] = {0, 0, 0, 0};  // unused with XOR addressing
+    // P tile of this pair: [RW][BN] 16-bit, chunk c of row r at ((c ^ (r & 7)) << 4).
+    const uint32_t p_pair = sP + pair * RW * BN * 2;
+    // Store: row (lane >> 2) (+ 8k), so the swizzle term is lane >> 2.
+    const uint32_t p_st = p_pair + (lane >> 2) * (BN * 2) + 4 * (lane & 3);
+    // Load (A operand of the partner's half): row lane & 15, chunk + lane / 16.
+    const uint32_t p_ld = p_pair + (lane & 15) * (BN * 2);
+    // Row exchange [WARPS][RW] f32 (partial maxima) and each warp's partial row sums.
+    const uint32_t red_own = sRed + (warp * RW + (lane >> 2)) * 4;
+    const uint32_t red_mate = sRed + ((warp ^ 1) * RW + (lane >> 2)) * 4;
+    constexpr uint32_t SUM_OFF = WARPS * RW * 4;  // red_* + SUM_OFF: the sums
+    const bool quad0 = (lane & 3) == 0;  // the lane of a quad that keeps the row's sum
+
+    float o[MT][ND][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < ND; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][j][e] = 0.f;
+    float row_m[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            row_m[mt][hf] = FC_NEG_INF;
+            if (quad0) st_shared_f32(red_own + SUM_OFF + (mt * 16 + hf * 8) * 4, 0.f);
+        }
+    const float sl2 = p.scale_log2;
+    const int warp_r0 = t.m0 + warp_row;
+    const int row_thr = warp_r0 + (lane >> 2);
+
+    // O[:, this warp's columns] += P[:, keys key0 .. key0+15] V[keys, columns].
+    auto pv_step = [&](const uint32_t (&pa)[MT][4], uint32_t v_l, int key0) {
+#pragma unroll
+        for (int dp = 0; dp < ND / 2; ++dp) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, lane_addr<true>(v_l, no_off, dp & 3) + (key0 * (D * 2) + (dp >> 2) * 128));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                E::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
+                E::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+            }
+        }
+    };
+
+    for (int nb = t.n_max - 1; nb >= t.n_min; --nb) {
+        cp_async_wait_all();
+        __syncthreads();  // K[nb] landed; every warp is done with V[nb+1], P and the maxima
+        load_tile<BN, D, NTH>(sV, t.kv_tile_remat(p.v, p.v_batch_stride, p.v_head_stride,
+                                                  p.v_row_stride, p.h_ratio, nb),
+                              p.v_row_stride, sk - nb * BN, tid_remat());
+        cp_async_commit();
+
+        float s[MT][NS][4];
+        qk_tile<T, D, MT, NS, true, 1>(s, q_lane, no_off, k_lane, no_off);
+        mask_tile<MASK, BN, MT, NS>(s, nb, warp_r0, row_thr, lane, sq, sk, wl, wr, half * HB);
+        // Partial row maxima to smem (read back after the barrier: no registers held across it).
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const float mx = row_max(s[mt], hf, row_m[mt][hf]);
+                if ((lane & 3) == 0) st_shared_f32(red_own + (mt * 16 + hf * 8) * 4, mx);
+            }
+
+        cp_async_wait_all();
+        __syncthreads();  // V[nb] landed; K[nb] is free; partial maxima visible
+        if (nb > t.n_min) {
+            const int nn = nb - 1;
+            load_tile<BN, D, NTH>(sK, t.kv_tile_remat(p.k, p.k_batch_stride, p.k_head_stride,
+                                                      p.k_row_stride, p.h_ratio, nn),
+                                  p.k_row_stride, sk - nn * BN, tid_remat());
+            cp_async_commit();
+        }
+
+        // Online softmax with the pair's common row max.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const float m_new = fmaxf(ld_shared_f32(red_own + (mt * 16 + hf * 8) * 4),
+                                          ld_shared_f32(red_mate + (mt * 16 + hf * 8) * 4));
+                float msc;
+                const float alpha = fc::online_rescale(row_m[mt][hf], m_new, sl2, msc);
+                row_m[mt][hf] = m_new;
+                const float sum = fc::quad_sum(exp_row(s[mt], hf, sl2, msc));
+                const uint32_t l_addr = red_own + SUM_OFF + (mt * 16 + hf * 8) * 4;
+                if (quad0) st_shared_f32(l_addr, fmaf(ld_shared_f32(l_addr), alpha, sum));
+#pragma unroll
+                for (int j = 0; j < ND; ++j) {
+                    o[mt][j][2 * hf] *= alpha;
+                    o[mt][j][2 * hf + 1] *= alpha;
+                }
+            }
+        // This warp's P half, one k16 step at a time (S registers die step by step): to smem for
+        // the partner, and straight into its own P.V step.
+        const uint32_t v_l = launder32(v_lane);
+#pragma unroll
+        for (int kk = 0; kk < HB / 16; ++kk) {
+            uint32_t pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = E::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = E::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = E::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = E::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    // e: (n8 tile 2kk + e/2, row half e%2)
+                    const int c = half * (HB / 8) + 2 * kk + (e >> 1);
+                    st_shared_u32(p_st + (mt * 16 + (e & 1) * 8) * (BN * 2) + ((c ^ (lane >> 2)) << 4),
+                                  pa[mt][e]);
+                }
+            }
+            pv_step(pa, v_l, half * HB + kk * 16);
+        }
+        asm volatile("bar.sync %0, 64;" ::"r"(1 + pair) : "memory");  // partner's P visible
+#pragma unroll 1
+        for (int kk = 0; kk < HB / 16; ++kk) {
+            uint32_t pb[MT][4];
+            const int c = (half ^ 1) * (HB / 8) + 2 * kk + (lane >> 4);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldsm_x4(pb[mt], p_ld + mt * 16 * (BN * 2) + ((c ^ sw) << 4));
+            pv_step(pb, v_l, (half ^ 1) * HB + kk * 16);
+        }
+    }
+
+    // Epilogue: l = both halves' partial sums.
+    asm volatile("bar.sync %0, 64;" ::"r"(1 + pair) : "memory");
+    T* og;
+    float* lseg;
+    t.out_remat(p, og, lseg);
+    const float scale = p.scale;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const float l = ld_shared_f32(red_own + SUM_OFF + (mt * 16 + hf * 8) * 4) +
+                            ld_shared_f32(red_mate + SUM_OFF + (mt * 16 + hf * 8) * 4);
+            float lse;
+            const float inv = fc::finalize_row(row_m[mt][hf], l, scale, lse);
+#pragma unroll
+            for (int j = 0; j < ND; ++j) {
+                o[mt][j][2 * hf] *= inv;
+                o[mt][j][2 * hf + 1] *= inv;
+            }
+            const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
+            if (half == 0 && (lane & 3) == 0 && r < t.rows_valid) lseg[r] = lse;
+        }
+    // Stage this warp's O columns in the pair's own Q rows (only the pair read them, before the
+    // last tile's second __syncthreads), then 16-byte coalesced stores.
+    unsigned char* smem_o = fc_sm80_fwd_smem;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
+#pragma unroll
+            for (int j = 0; j < ND; ++j)
+                *reinterpret_cast<uint32_t*>(smem_o + swz<D>(r, half * ND + j) + 4 * (lane & 3)) =
+                    E::pack(o[mt][j][2 * hf], o[mt][j][2 * hf + 1]);
+        }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < RW * ND / 32; ++i) {
+        const int c = lane + 32 * i;
+        const int r = warp_row + c / ND, ch = half * ND + c % ND;
+        if (r < t.rows_valid) {
+            const uint4 val = *reinterpret_cast<const uint4*>(smem_o + swz<D>(r, ch));
+            *reinterpret_cast<uint4*>(og + (int64_t)r * p.o_row_stride + ch * 8) = val;
+        }
+    }
+    (void)CH;
+}
+
 }  // namespace fc_sm80
 
 namespace fc_sm80 {
+// Dynamic shared memory of a forward kernel: Q tile, STAGES K and V tiles, and for FWD_PAIR the
+// pairs' P tiles plus one f32 per warp and row (kernels/variants.rs `smem_bytes` mirrors this).
+__host__ __device__ constexpr int fwd_smem_bytes(int D, int BM, int BN, int WARPS, int STAGES,
+                                                 int OPT) {
+    return (BM + 2 * STAGES * BN) * D * 2 +
+           ((OPT & FWD_PAIR) != 0 ? BM * BN * 2 + 2 * WARPS * (BM / (WARPS / 2)) * 4 : 0);
+}
 // OPT used by FC_SM80_FWD (the variant table's macro) for a tile shape. Ship a measured winner by
 // returning its bits here, e.g. `return (D == 128 && BM == 128 && BN == 32) ? FWD_LAZY : 0;`.
 __host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WARPS, int STAGES) {
@@ -588,6 +925,10 @@ __host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WAR
 }
 }  // namespace fc_sm80
 
+// Key-split warp pairs (fwd_body_pair; the variant table's `warp_pairs` entries).
+#define FC_SM80_FWD_PAIRS(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES)      \
+    FC_SM80_FWD_OPT(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, fc_sm80::FWD_PAIR)
+
 #define FC_SM80_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES)            \
     FC_SM80_FWD_OPT(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES,             \
                     fc_sm80::fwd_default_opt(HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES))
@@ -596,5 +937,8 @@ __host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WAR
 #define FC_SM80_FWD_OPT(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT)   \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32)                                 \
         SYMBOL(const __grid_constant__ FcParams p) {                                           \
-        fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT>(p);       \
+        if constexpr (((OPT) & fc_sm80::FWD_PAIR) != 0)                                         \
+            fc_sm80::fwd_body_pair<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES>(p);      \
+        else                                                                                   \
+            fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT>(p);   \
     }

@@ -1,7 +1,7 @@
 #pragma once
 #include <vector>
 #include <string>
-struct KEntry { std::string name; int dt; int d, mask, bm, bn, warps, stages; const void* fn; };
+struct KEntry { std::string name; int dt; int d, mask, bm, bn, warps, stages; const void* fn; int opt = 0; };
 void reg_d64(std::vector<KEntry>&);
 void reg_d128(std::vector<KEntry>&);
 void reg_d256(std::vector<KEntry>&);
@@ -14,7 +14,7 @@ void reg_d256(std::vector<KEntry>&);
   FCI1(f16, __half, D, 1, BM, BN, W, S, O) FCI1(f16, __half, D, 2, BM, BN, W, S, O)
 #define FCR1(DT, DTI, D, M, BM, BN, W, S, O) \
   v.push_back(KEntry{#DT "_d" #D "_m" #M "_" #BM "x" #BN "_w" #W "_s" #S "_o" #O, DTI, D, M, BM, BN, W, S, \
-                     (const void*)k_##DT##_d##D##_m##M##_##BM##x##BN##_w##W##_s##S##_o##O});
+                     (const void*)k_##DT##_d##D##_m##M##_##BM##x##BN##_w##W##_s##S##_o##O, O});
 #define FCR(D, BM, BN, W, S, O) \
   FCR1(bf16, 0, D, 0, BM, BN, W, S, O) FCR1(bf16, 0, D, 1, BM, BN, W, S, O) FCR1(bf16, 0, D, 2, BM, BN, W, S, O) \
   FCR1(f16, 1, D, 0, BM, BN, W, S, O) FCR1(f16, 1, D, 1, BM, BN, W, S, O) FCR1(f16, 1, D, 2, BM, BN, W, S, O)
