@@ -32,6 +32,7 @@
 #include <cuda_bf16.h>
 #include "common/params.h"
 #include "common/softmax.cuh"
+#include "common/smem.cuh"
 
 namespace fc_sm80 {
 
@@ -88,17 +89,6 @@ __device__ __forceinline__ int tid_remat() {
     uint32_t x;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
     return (int)x;
-}
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
-    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
-}
-__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
-    float v;
-    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-    return v;
 }
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -754,7 +744,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             row_m[mt][hf] = FC_NEG_INF;
-            if (quad0) st_shared_f32(red_own + SUM_OFF + (mt * 16 + hf * 8) * 4, 0.f);
+            if (quad0) fc::st_shared_f32(red_own + SUM_OFF + (mt * 16 + hf * 8) * 4, 0.f);
         }
     const float sl2 = p.scale_log2;
     const int warp_r0 = t.m0 + warp_row;
@@ -791,7 +781,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const float mx = row_max(s[mt], hf, row_m[mt][hf]);
-                if ((lane & 3) == 0) st_shared_f32(red_own + (mt * 16 + hf * 8) * 4, mx);
+                if ((lane & 3) == 0) fc::st_shared_f32(red_own + (mt * 16 + hf * 8) * 4, mx);
             }
 
         cp_async_wait_all();
@@ -809,14 +799,14 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                const float m_new = fmaxf(ld_shared_f32(red_own + (mt * 16 + hf * 8) * 4),
-                                          ld_shared_f32(red_mate + (mt * 16 + hf * 8) * 4));
+                const float m_new = fmaxf(fc::ld_shared_f32(red_own + (mt * 16 + hf * 8) * 4),
+                                          fc::ld_shared_f32(red_mate + (mt * 16 + hf * 8) * 4));
                 float msc;
                 const float alpha = fc::online_rescale(row_m[mt][hf], m_new, sl2, msc);
                 row_m[mt][hf] = m_new;
                 const float sum = fc::quad_sum(exp_row(s[mt], hf, sl2, msc));
                 const uint32_t l_addr = red_own + SUM_OFF + (mt * 16 + hf * 8) * 4;
-                if (quad0) st_shared_f32(l_addr, fmaf(ld_shared_f32(l_addr), alpha, sum));
+                if (quad0) fc::st_shared_f32(l_addr, fmaf(fc::ld_shared_f32(l_addr), alpha, sum));
 #pragma unroll
                 for (int j = 0; j < ND; ++j) {
                     o[mt][j][2 * hf] *= alpha;
@@ -839,7 +829,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
                 for (int e = 0; e < 4; ++e) {
                     // e: (n8 tile 2kk + e/2, row half e%2)
                     const int c = half * (HB / 8) + 2 * kk + (e >> 1);
-                    st_shared_u32(p_st + (mt * 16 + (e & 1) * 8) * (BN * 2) + ((c ^ (lane >> 2)) << 4),
+                    fc::st_shared_b32(p_st + (mt * 16 + (e & 1) * 8) * (BN * 2) + ((c ^ (lane >> 2)) << 4),
                                   pa[mt][e]);
                 }
             }
@@ -867,8 +857,8 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const float l = ld_shared_f32(red_own + SUM_OFF + (mt * 16 + hf * 8) * 4) +
-                            ld_shared_f32(red_mate + SUM_OFF + (mt * 16 + hf * 8) * 4);
+            const float l = fc::ld_shared_f32(red_own + SUM_OFF + (mt * 16 + hf * 8) * 4) +
+                            fc::ld_shared_f32(red_mate + SUM_OFF + (mt * 16 + hf * 8) * 4);
             float lse;
             const float inv = fc::finalize_row(row_m[mt][hf], l, scale, lse);
 #pragma unroll

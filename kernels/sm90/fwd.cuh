@@ -208,11 +208,11 @@ struct FwdSm90 {
                 const int slot = si & 1;
                 mbar_wait(sched_empty(slot), ((si >> 1) & 1) ^ 1);
                 const uint32_t a = sched_val(slot);
-                st_shared_s32(a, m_block);
-                st_shared_s32(a + 4u, h);
-                st_shared_s32(a + 8u, bi);
-                st_shared_s32(a + 12u, h / p.h_ratio);
-                st_shared_s32(a + 16u, m_block < 0 ? 0 : n_tiles(p, m_block));
+                fc::st_shared_b32(a, m_block);
+                fc::st_shared_b32(a + 4u, h);
+                fc::st_shared_b32(a + 8u, bi);
+                fc::st_shared_b32(a + 12u, h / p.h_ratio);
+                fc::st_shared_b32(a + 16u, m_block < 0 ? 0 : n_tiles(p, m_block));
                 mbar_arrive(sched_full(slot));
                 ++si;
             };
@@ -240,11 +240,11 @@ struct FwdSm90 {
                         const int slot = si & 1;
                         mbar_wait(sched_full(slot), (si >> 1) & 1);
                         const uint32_t a = sched_val(slot);
-                        m_block = ld_shared_s32(a);
-                        h = ld_shared_s32(a + 4u);
-                        bi = ld_shared_s32(a + 8u);
-                        hk = ld_shared_s32(a + 12u);
-                        n_max = ld_shared_s32(a + 16u);
+                        m_block = (int)fc::ld_shared_b32(a);
+                        h = (int)fc::ld_shared_b32(a + 4u);
+                        bi = (int)fc::ld_shared_b32(a + 8u);
+                        hk = (int)fc::ld_shared_b32(a + 12u);
+                        n_max = (int)fc::ld_shared_b32(a + 16u);
                         mbar_arrive(sched_empty(slot));
                         ++si;
                         if (m_block < 0) break;
@@ -321,16 +321,16 @@ struct FwdSm90 {
             mbar_wait(sched_full(slot), (si >> 1) & 1);
             // The slot stays ours until the tile is done (arrive at the end): head and batch are
             // re-read from it where needed instead of living in registers across the key loop.
-            const int m_block = ld_shared_s32(sched_val(slot));
+            const int m_block = (int)fc::ld_shared_b32(sched_val(slot));
             ++si;
             if (m_block < 0) break;
             auto out_ptrs = [&](T*& og, float*& lse_g) {
-                const int h = ld_shared_s32(sched_val(slot) + 4u);
-                const int bi = ld_shared_s32(sched_val(slot) + 8u);
+                const int h = (int)fc::ld_shared_b32(sched_val(slot) + 4u);
+                const int bi = (int)fc::ld_shared_b32(sched_val(slot) + 8u);
                 og = reinterpret_cast<T*>(p.o) + (int64_t)bi * p.o_batch_stride + (int64_t)h * p.o_head_stride;
                 lse_g = p.lse + ((int64_t)bi * p.hq + h) * p.sq;
             };
-            const int NT = ld_shared_s32(sched_val(slot) + 16u);
+            const int NT = (int)fc::ld_shared_b32(sched_val(slot) + 16u);
             const int row0 = m_block * BM + c * 64 + warp * 16 + g;  // rows row0 and row0 + 8
 
             if (NT <= 0) {

@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <cuda.h>
 #include "wgmma_gen.cuh"
+#include "../common/smem.cuh"
 
 namespace fc90 {
 
@@ -69,16 +70,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         "}\n" ::"r"(bar),
         "r"(parity)
         : "memory");
-}
-
-// ---- plain shared-memory words (32-bit shared addresses: no 64-bit generic pointer live) -------
-__device__ __forceinline__ void st_shared_s32(uint32_t addr, int v) {
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ int ld_shared_s32(uint32_t addr) {
-    int v;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-    return v;
 }
 
 // ---- TMA --------------------------------------------------------------------------------------
