@@ -320,32 +320,45 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][NS][4], float (&o)[M
     }
 }
 
+// P of k16 step kk as mma A fragments, straight from the S accumulators (C layout == A layout).
+template <typename T, int MT, int NS>
+__device__ __forceinline__ void pack_p(const float (&s)[MT][NS][4], int kk, uint32_t (&pa)[MT][4]) {
+    using E = Elem<T>;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = E::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = E::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = E::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = E::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+}
+
+// O += P[:, key0 .. key0+15] V[key0 .. key0+15, :] for the ND n8 columns at v_base.
+template <typename T, int D, int MT, int ND, bool XA = false>
+__device__ __forceinline__ void pv_k16(float (&o)[MT][ND][4], const uint32_t (&pa)[MT][4],
+                                       uint32_t v_base, const uint32_t (&v_off)[4], int key0) {
+#pragma unroll
+    for (int dp = 0; dp < ND / 2; ++dp) {
+        uint32_t b[4];
+        ldsm_x4_trans(b, lane_addr<XA>(v_base, v_off, dp & 3) + (key0 * (D * 2) + (dp >> 2) * 128));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            Elem<T>::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
+            Elem<T>::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+        }
+    }
+}
+
 // O += P V, P straight from the S accumulators.
 template <typename T, int D, int MT, int NS, int ND, bool XA = false>
 __device__ __forceinline__ void pv_tile(const float (&s)[MT][NS][4], float (&o)[MT][ND][4],
                                         uint32_t v_base, const uint32_t (&v_off)[4]) {
-    using E = Elem<T>;
     if (XA) v_base = launder32(v_base);
 #pragma unroll
     for (int kk = 0; kk < NS / 2; ++kk) {
         uint32_t pa[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            pa[mt][0] = E::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-            pa[mt][1] = E::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-            pa[mt][2] = E::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-            pa[mt][3] = E::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int dp = 0; dp < ND / 2; ++dp) {
-            uint32_t b[4];
-            ldsm_x4_trans(b, lane_addr<XA>(v_base, v_off, dp & 3) + (kk * 16 * (D * 2) + (dp >> 2) * 128));
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                E::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
-                E::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
-            }
-        }
+        pack_p<T>(s, kk, pa);
+        pv_k16<T, D, MT, ND, XA>(o, pa, v_base, v_off, kk * 16);
     }
 }
 
@@ -678,7 +691,6 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
     constexpr int NS = HB / 8;   // n8 tiles of S per m16 tile
     constexpr int DH = D / 2;    // O columns per warp
     constexpr int ND = DH / 8;   // n8 tiles of O per m16 tile
-    constexpr int CH = D / 8;
     using E = Elem<T>;
 
     extern __shared__ __align__(128) unsigned char fc_sm80_fwd_smem[];
@@ -750,20 +762,6 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
     const int warp_r0 = t.m0 + warp_row;
     const int row_thr = warp_r0 + (lane >> 2);
 
-    // O[:, this warp's columns] += P[:, keys key0 .. key0+15] V[keys, columns].
-    auto pv_step = [&](const uint32_t (&pa)[MT][4], uint32_t v_l, int key0) {
-#pragma unroll
-        for (int dp = 0; dp < ND / 2; ++dp) {
-            uint32_t b[4];
-            ldsm_x4_trans(b, lane_addr<true>(v_l, no_off, dp & 3) + (key0 * (D * 2) + (dp >> 2) * 128));
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                E::mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
-                E::mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
-            }
-        }
-    };
-
     for (int nb = t.n_max - 1; nb >= t.n_min; --nb) {
         cp_async_wait_all();
         __syncthreads();  // K[nb] landed; every warp is done with V[nb+1], P and the maxima
@@ -819,12 +817,9 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
 #pragma unroll
         for (int kk = 0; kk < HB / 16; ++kk) {
             uint32_t pa[MT][4];
+            pack_p<T>(s, kk, pa);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = E::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = E::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = E::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = E::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     // e: (n8 tile 2kk + e/2, row half e%2)
@@ -833,7 +828,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
                                   pa[mt][e]);
                 }
             }
-            pv_step(pa, v_l, half * HB + kk * 16);
+            pv_k16<T, D, MT, ND, true>(o, pa, v_l, no_off, half * HB + kk * 16);
         }
         asm volatile("bar.sync %0, 64;" ::"r"(1 + pair) : "memory");  // partner's P visible
 #pragma unroll 1
@@ -843,7 +838,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
                 ldsm_x4(pb[mt], p_ld + mt * 16 * (BN * 2) + ((c ^ sw) << 4));
-            pv_step(pb, v_l, (half ^ 1) * HB + kk * 16);
+            pv_k16<T, D, MT, ND, true>(o, pb, v_l, no_off, (half ^ 1) * HB + kk * 16);
         }
     }
 
@@ -892,7 +887,6 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
             *reinterpret_cast<uint4*>(og + (int64_t)r * p.o_row_stride + ch * 8) = val;
         }
     }
-    (void)CH;
 }
 
 }  // namespace fc_sm80
