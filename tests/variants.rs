@@ -156,6 +156,23 @@ fn larger_tiles_are_preferred_where_they_fit() {
 }
 
 #[test]
+fn sm80_d128_tiles_per_mask() {
+    // Non-causal 128x48 (80 KB: fits sm_86/89 too), causal 128x32, local 64x64 (docs/perf.md,
+    // session 5); one choice on every smem budget.
+    for smem in [SMEM_SM86, SMEM_SM80, SMEM_SM90] {
+        for dtype in [KDType::Bf16, KDType::F16] {
+            let tile = |mask| {
+                let v = pick("sm80", KKind::Fwd, dtype, 128, mask, smem).unwrap();
+                (v.block_m, v.block_n, v.warps, v.stages, v.smem_bytes())
+            };
+            assert_eq!(tile(KMask::None), (128, 48, 4, 2, 80 * 1024));
+            assert_eq!(tile(KMask::Causal), (128, 32, 4, 2, 64 * 1024));
+            assert_eq!(tile(KMask::Local), (64, 64, 4, 2, 80 * 1024));
+        }
+    }
+}
+
+#[test]
 fn sm90_kernels_fit_hopper() {
     for v in VARIANTS.iter().filter(|v| v.family == "sm90") {
         assert!(

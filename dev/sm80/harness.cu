@@ -11,6 +11,7 @@
 #include <vector>
 #include <string>
 #include <algorithm>
+#include <chrono>
 #include <omp.h>
 #include "common/params.h"
 #include "reg.h"
@@ -59,6 +60,16 @@ struct Res { double err, err_naive, rel_l2, lse_err; bool ok; std::string why; }
 static const KEntry* find_k(int dt, int d, int mask, int cfg_idx) {
   int n = 0;
   for (auto& k : g_k) if (k.dt == dt && k.d == d && k.mask == mask) { if (n == cfg_idx) return &k; n++; }
+  return nullptr;
+}
+
+// The entry with the same tile as `name` (a mask-0 name) and mask `mask`.
+static const KEntry* find_named(const std::string& name, int mask) {
+  std::string want = name;
+  size_t at = want.find("_m0_");
+  if (at == std::string::npos) return nullptr;
+  want[at + 2] = (char)('0' + mask);
+  for (auto& k : g_k) if (k.name == want) return &k;
   return nullptr;
 }
 
@@ -281,6 +292,64 @@ static void time_all(const char* only) {
   }
 }
 
+// Sustained timing: the H100 holds its 700 W cap (nvidia-smi clocks_event_reasons 0x4, SW power cap)
+// during any long run, so what counts between tile configs is throughput at the capped clock.
+// Per config and shape: `heat_s` seconds of back-to-back calls (with the L2 flush), then 40 timed
+// calls, median. Two passes, configs in forward then reverse order (temperature drifts upward).
+static void time_sustained(double heat_s, const char* only) {
+  const int Ds[3] = {64, 128, 256}, Hs[3] = {32, 16, 8};
+  const int seqs[3] = {2048, 16384, 16384};
+  const int causal[3] = {0, 0, 1};
+  size_t maxn = (size_t)16384 * 2048;
+  uint16_t *q, *k, *v, *o; float* l;
+  CK(cudaMalloc(&q, maxn * 2)); CK(cudaMalloc(&k, maxn * 2)); CK(cudaMalloc(&v, maxn * 2)); CK(cudaMalloc(&o, maxn * 2));
+  CK(cudaMalloc(&l, 16384 * 32 * 4));
+  fill_rand<<<1024, 256>>>(q, maxn, 1); fill_rand<<<1024, 256>>>(k, maxn, 2); fill_rand<<<1024, 256>>>(v, maxn, 3);
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  const size_t flush_bytes = (size_t)256 << 20; void* flush; CK(cudaMalloc(&flush, flush_bytes));
+  std::vector<const KEntry*> ks;
+  for (auto& K : g_k)
+    if (K.dt == 0 && K.mask == 0 && (!only || strstr(K.name.c_str(), only))) ks.push_back(&K);
+  for (int pass = 0; pass < 2; pass++)
+    for (size_t i = 0; i < ks.size(); i++) {
+      const KEntry& K0 = *ks[pass ? ks.size() - 1 - i : i];
+      for (int si = 0; si < 3; si++) {
+        const KEntry* kp = causal[si] ? find_named(K0.name, 1) : &K0;
+        if (!kp) continue;
+        const KEntry& K = *kp;
+        int di = K.d == 64 ? 0 : K.d == 128 ? 1 : 2, s = seqs[si];
+        int b = 16384 / s, h = Hs[di], d = Ds[di];
+        FcParams p; memset(&p, 0, sizeof(p));
+        p.q = q; p.k = k; p.v = v; p.o = o; p.lse = l;
+        p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = d;
+        p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = (int64_t)h * d;
+        p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = (int64_t)s * h * d;
+        p.b = b; p.hq = h; p.hkv = h; p.sq = s; p.sk = s; p.d = d; p.h_ratio = 1;
+        p.scale = 1.0f / sqrtf((float)d); p.scale_log2 = p.scale * 1.4426950408889634f;
+        p.window_left = -1; p.window_right = causal[si] ? 0 : -1; p.num_splits = 1;
+        auto t0 = std::chrono::steady_clock::now();
+        int it = 0;
+        while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < heat_s) {
+          for (int j = 0; j < 8; j++, it++) { CK(cudaMemsetAsync(flush, it & 0xff, flush_bytes)); launch(K, p); }
+          CK(cudaDeviceSynchronize());
+        }
+        std::vector<float> ts;
+        for (int j = 0; j < 40; j++, it++) {
+          CK(cudaMemsetAsync(flush, it & 0xff, flush_bytes));
+          CK(cudaEventRecord(e0)); launch(K, p); CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
+          float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); ts.push_back(ms);
+        }
+        std::sort(ts.begin(), ts.end());
+        double t = ts[ts.size() / 2] * 1e-3;
+        double avg_sk = causal[si] ? (double)s / 2 : s;
+        double tf = 4.0 * b * h * (double)s * avg_sk * d / t / 1e12;
+        printf("SUST %-34s %5d %d pass%d %9.1f %7.1f\n", K.name.c_str(), s, causal[si], pass, t * 1e6, tf);
+        fflush(stdout);
+      }
+    }
+}
+
 int main(int argc, char** argv) {
   reg_d64(g_k); reg_d128(g_k); reg_d256(g_k);
   const char* mode = argc > 1 ? argv[1] : "check";
@@ -335,6 +404,7 @@ int main(int argc, char** argv) {
     printf("random: %d pass %d fail (of %d)\n", npass - p0, nfail - f0, N);
   }
   if (!strcmp(mode, "time")) time_all(argc > 2 ? argv[2] : nullptr);
+  if (!strcmp(mode, "sustain")) time_sustained(argc > 2 ? atof(argv[2]) : 2.0, argc > 3 ? argv[3] : nullptr);
   printf("TOTAL: %d pass %d fail\n", npass, nfail);
   return nfail ? 1 : 0;
 }

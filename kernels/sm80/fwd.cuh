@@ -159,7 +159,11 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //     ~9 fewer registers live across the key loop, +1 LOP3 per ldmatrix address.
 //   FWD_PAIR: key-split warp pairs (fwd_body_pair below; STAGES 1): two warps share 2x the rows
 //     and split the keys of S and the columns of O; needs fwd_smem_bytes() of dynamic smem.
-enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8 };
+//   FWD_LEAN: fewer registers live across the key loop, for tiles at the 255-register limit
+//     (d128 128x64): K/V tile pointers and the thread index recomputed from %ctaid / %tid where
+//     they are used, one remainder register for load_tile's row test (STAGES 2). Costs 2-5 %
+//     on the H100 (session 5), so it is used only where the tile would spill without it.
+enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16 };
 
 __device__ __forceinline__ uint32_t launder32(uint32_t x) {
     asm volatile("mov.b32 %0, %1;" : "=r"(x) : "r"(x));
@@ -449,6 +453,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     constexpr bool Q_IN_REGS = (MT * KD * 4 + MT * ND * 4 + MT * NS * 4) <= 176;
     constexpr int QREG_MT = Q_IN_REGS ? MT : 1;
     constexpr int QREG_KD = Q_IN_REGS ? KD : 1;
+    constexpr bool LEAN = (OPT & FWD_LEAN) != 0;
     using E = Elem<T>;
 
     extern __shared__ __align__(128) unsigned char fc_sm80_fwd_smem[];
@@ -545,10 +550,20 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
             if (nb > n_min) {
                 const int nn = nb - 1;
                 const uint32_t off = (stage ^ 1) * (BN * D * 2);
-                load_tile<BN, D, NTH>(sK + off, kg + (int64_t)nn * BN * p.k_row_stride,
-                                      p.k_row_stride, sk - nn * BN, tid);
-                load_tile<BN, D, NTH>(sV + off, vg + (int64_t)nn * BN * p.v_row_stride,
-                                      p.v_row_stride, sk - nn * BN, tid);
+                if constexpr (LEAN) {
+                    using FT = FwdTile<T, MASK, BM, BN>;
+                    load_tile<BN, D, NTH, true>(sK + off, FT::kv_tile_remat(p.k, p.k_batch_stride,
+                                                    p.k_head_stride, p.k_row_stride, p.h_ratio, nn),
+                                                p.k_row_stride, sk - nn * BN, tid_remat());
+                    load_tile<BN, D, NTH, true>(sV + off, FT::kv_tile_remat(p.v, p.v_batch_stride,
+                                                    p.v_head_stride, p.v_row_stride, p.h_ratio, nn),
+                                                p.v_row_stride, sk - nn * BN, tid_remat());
+                } else {
+                    load_tile<BN, D, NTH>(sK + off, kg + (int64_t)nn * BN * p.k_row_stride,
+                                          p.k_row_stride, sk - nn * BN, tid);
+                    load_tile<BN, D, NTH>(sV + off, vg + (int64_t)nn * BN * p.v_row_stride,
+                                          p.v_row_stride, sk - nn * BN, tid);
+                }
                 cp_async_commit();
             }
         } else {
@@ -614,6 +629,9 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
 
     // Epilogue: normalise, LSE, stage O through this warp's own Q rows (only this warp ever
     // read them), then 16-byte coalesced stores.
+    T* o_out = og;
+    float* lse_out = lseg;
+    if constexpr (LEAN) FwdTile<T, MASK, BM, BN>::out_remat(p, o_out, lse_out);
     const float scale = p.scale;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -628,7 +646,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
                 o[mt][j][2 * hf + 1] *= inv;
             }
             const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
-            if ((lane & 3) == 0 && r < rows_valid) lseg[r] = lse;
+            if ((lane & 3) == 0 && r < rows_valid) lse_out[r] = lse;
         }
     __syncwarp();
     unsigned char* smem_o = fc_sm80_fwd_smem;
@@ -650,7 +668,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
         const int r = warp_row + c / CH, ch = c % CH;
         if (r < rows_valid) {
             const uint4 val = *reinterpret_cast<const uint4*>(smem_o + swz<D>(r, ch));
-            *reinterpret_cast<uint4*>(og + (int64_t)r * p.o_row_stride + ch * 8) = val;
+            *reinterpret_cast<uint4*>(o_out + (int64_t)r * p.o_row_stride + ch * 8) = val;
         }
     }
 }
@@ -901,13 +919,27 @@ __host__ __device__ constexpr int fwd_smem_bytes(int D, int BM, int BN, int WARP
 }
 // OPT used by FC_SM80_FWD (the variant table's macro) for a tile shape. Ship a measured winner by
 // returning its bits here, e.g. `return (D == 128 && BM == 128 && BN == 32) ? FWD_LAZY : 0;`.
+// Whether this compilation pass targets a GPU below sm_90 (device code of sm_80/86/89 and the
+// compute_80 PTX; false on sm_90 and on the host, where only fwd_smem_bytes reads OPT).
+__host__ __device__ constexpr bool fwd_pre_hopper_target() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    return true;
+#else
+    return false;
+#endif
+}
 __host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WARPS, int STAGES) {
     // Measured on the H100 (sm_90 SASS, bf16, fa3 grid; docs/perf.md, session 2):
     //   d64 / d128 (4 warps): lazy rescale + XOR ldmatrix addressing, +5-10% over the plain
     //   schedule (d128 0.94-0.98x -> 1.04-1.07x FA2);
     //   d256 (8 warps, one m16 tile per warp): the lazy rescale costs 5-7%, XOR addressing is
     //   neutral: plain schedule.
-    return D == 256 ? 0 : (FWD_LAZY | FWD_XADDR);
+    // d128 128x48 (session 5): spill-free on sm_90 as is; ptxas for sm_80/86/89 spills 8 B, so
+    // those targets (and the PTX) also take FWD_LEAN (0 spills; on the H100 2 % slower than
+    // without, still 2 % faster than 128x32 under sustained load).
+    return D == 256 ? 0
+                    : (FWD_LAZY | FWD_XADDR |
+                       (D == 128 && BN == 48 && fwd_pre_hopper_target() ? FWD_LEAN : 0));
 }
 }  // namespace fc_sm80
 
@@ -919,7 +951,8 @@ __host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WAR
     FC_SM80_FWD_OPT(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES,             \
                     fc_sm80::fwd_default_opt(HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES))
 
-// OPT: bit mask of fc_sm80::FWD_LAZY / FWD_XADDR (1 / 4); 0 = the plain schedule.
+// OPT: bit mask of fc_sm80::FWD_LAZY / FWD_XADDR / FWD_PAIR / FWD_LEAN (1 / 4 / 8 / 16); 0 = the
+// plain schedule.
 #define FC_SM80_FWD_OPT(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT)   \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32)                                 \
         SYMBOL(const __grid_constant__ FcParams p) {                                           \

@@ -68,4 +68,8 @@ echo "check done at $(( $(date +%s) - T0 )) s"
 timeout 90 "$B/h" time > "$OUT/time.log" 2>&1; echo "time rc=$?"
 timeout 90 python3 ../bench_torch.py 512,1024,2048,4096,8192,16384 ${EXP_DIMS:-128,256} > "$OUT/torch.log" 2>&1; echo "torch rc=$?"
 python3 summarize.py "$OUT/time.log" "$OUT/torch.log" | tee "$OUT/table.txt"
+if [ -n "${EXP_SUSTAIN:-}" ]; then  # then sustained (power-capped) timing
+  timeout 400 "$B/h" sustain "$EXP_SUSTAIN" > "$OUT/sustain.log" 2>&1; echo "sustain rc=$?"
+  python3 summarize.py --sustain "$OUT/sustain.log" | tee "$OUT/sustain.txt"
+fi
 echo "total $(( $(date +%s) - T0 )) s"

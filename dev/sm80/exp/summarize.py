@@ -1,5 +1,15 @@
 # usage: summarize.py time.log torch.log  -> TFLOPS table per head dim (+ ratio vs torch FA2 at seq >= 2048)
 import sys, collections, re
+if sys.argv[1] == "--sustain":  # summarize.py --sustain sustain.log: both passes and their mean
+    r = collections.OrderedDict()
+    for l in open(sys.argv[2]):
+        if l.startswith("SUST"):
+            _, n, s, c, ps, us, tf = l.split()
+            r.setdefault((re.sub(r"_m[01]_", "_", n), int(s), c), []).append(float(tf))
+    print(f"{'config (sustained TFLOPS)':34s} {'seq':>6} c  pass0  pass1   mean")
+    for (n, s, c), v in r.items():
+        print(f"{n:34s} {s:6d} {c} " + " ".join(f"{x:6.1f}" for x in v) + f" {sum(v) / len(v):6.1f}")
+    sys.exit(0)
 seqs = [512, 1024, 2048, 4096, 8192, 16384]
 t = collections.OrderedDict()
 for l in open(sys.argv[1]):
