@@ -50,6 +50,10 @@ struct Args {
     /// median per call; includes per-call host work when it exceeds the kernel's time.
     #[arg(long, default_value = "flush")]
     timing: String,
+    /// Seconds of back-to-back calls before each `flush` timing, so that the case is timed at
+    /// the clock the GPU holds under sustained load (an H100 sits at its power cap then).
+    #[arg(long, default_value_t = 0.0)]
+    heat: f64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -183,7 +187,12 @@ fn time_it(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>) ->
 /// with a 256 MB memset before each call so that every call starts from a cold L2 (the method
 /// of triton's do_bench, which the SDPA anchor uses). Calls rotate among the input sets.
 #[cfg(feature = "cuda")]
-fn time_events(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+fn time_events(
+    dev: &Device,
+    reps: usize,
+    heat: f64,
+    mut f: impl FnMut(usize) -> Result<()>,
+) -> Result<f64> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
     let Device::Cuda(cd) = dev else {
         bail!("--timing flush needs a CUDA device")
@@ -192,6 +201,17 @@ fn time_events(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>
     // SAFETY: the flush buffer is only ever memset.
     let mut flush = unsafe { stream.alloc::<u8>(256 << 20) }?;
     let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    // Optional heat (`--heat`): back-to-back calls until the clock settles.
+    let mut it = 0;
+    let t = Instant::now();
+    while t.elapsed().as_secs_f64() < heat {
+        for _ in 0..8 {
+            stream.memset_zeros(&mut flush)?;
+            f(it)?;
+            it += 1;
+        }
+        stream.synchronize()?;
+    }
     let mut one = |i: usize| -> Result<f64> {
         stream.memset_zeros(&mut flush)?;
         let start = stream.record_event(timing)?;
@@ -200,7 +220,6 @@ fn time_events(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>
         Ok(start.elapsed_ms(&end)? as f64 * 1e3)
     };
     // Warm-up (module loads, allocator) for ~50 ms, then about 300 ms of timed calls.
-    let mut it = 0;
     let t = Instant::now();
     let mut est = f64::INFINITY;
     while it < 3 || t.elapsed().as_secs_f64() < 0.05 {
@@ -226,6 +245,12 @@ fn time_events(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if !(args.heat.is_finite() && args.heat >= 0.0) {
+        bail!("--heat must be a number of seconds >= 0, got {}", args.heat);
+    }
+    if args.heat > 0.0 && args.timing != "flush" {
+        bail!("--heat applies to --timing flush only, got --timing {}", args.timing);
+    }
     let dev = if args.cpu {
         Device::Cpu
     } else {
@@ -338,7 +363,7 @@ fn main() -> Result<()> {
             };
             let res = match (args.timing.as_str(), dev.is_cuda()) {
                 #[cfg(feature = "cuda")]
-                ("flush", true) => time_events(&dev, args.reps, call),
+                ("flush", true) => time_events(&dev, args.reps, args.heat, call),
                 ("flush", _) | ("batch", _) => time_it(&dev, args.reps, call),
                 (t, _) => bail!("--timing must be flush or batch, got {t:?}"),
             };

@@ -70,6 +70,12 @@ fn every_class_serves_every_seq_len() {
     let short = pick_sq(class, SMEM_SM90, 2048).unwrap();
     let long = pick_sq(class, SMEM_SM90, 2049).unwrap();
     assert_eq!((short.block_m, long.block_m), (128, 192));
+    for dtype in [KDType::Bf16, KDType::F16] {
+        let class = ("sm90", KKind::Fwd, dtype, 128, KMask::None);
+        let short = pick_sq(class, SMEM_SM90, 4096).unwrap();
+        let long = pick_sq(class, SMEM_SM90, 4097).unwrap();
+        assert_eq!((short.block_n, long.block_n), (128, 176));
+    }
 }
 
 #[test]
