@@ -249,7 +249,10 @@ fn main() -> Result<()> {
         bail!("--heat must be a number of seconds >= 0, got {}", args.heat);
     }
     if args.heat > 0.0 && args.timing != "flush" {
-        bail!("--heat applies to --timing flush only, got --timing {}", args.timing);
+        bail!(
+            "--heat applies to --timing flush only, got --timing {}",
+            args.timing
+        );
     }
     let dev = if args.cpu {
         Device::Cpu

@@ -231,11 +231,11 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
 
 const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // wgmma + TMA, 1 producer + block_m/64 consumer warpgroups, 2-stage K/V ring; see docs/perf.md.
-    // d128 non-causal 128x176 (214 KB: O staged in the Q buffer) serves seq_q > 4k, after
+    // d128 non-causal 128x160 (225 KB with the O staging buffer) serves seq_q > 1k, after
     // `sm90_d128_short`.
     let (block_m, block_n) = match (head_dim, mask) {
         (64, _) => (192, 128),
-        (128, KMask::None) => (128, 176),
+        (128, KMask::None) => (128, 160),
         (128, _) => (128, 128),
         _ => (128, 80),
     };
@@ -255,13 +255,15 @@ const fn sm90_d64_causal_short(dtype: KDType) -> Variant {
     sm90_tile(dtype, 64, KMask::Causal, 128, 128, 2048)
 }
 
-/// Non-causal d128 up to 4k query rows: 128-key tiles. The 176-key tile of longer problems (FA3's
-/// choice) halves the per-key softmax bookkeeping over fewer, wider tiles but wastes the ragged
-/// last tile (2048 = 11 x 176 + 112) and has fewer tiles to pipeline. Same-binary A/B on the H100
-/// in the fa3 grid (session 5, call 7, bf16): 176 against 128 -12 / -8 / -3 / -1 / +2.4 / +3.3 %
-/// at 512 / 1k / 2k / 4k / 8k / 16k.
+/// Non-causal d128 up to 1k query rows: 128-key tiles; longer problems take 128x160 (`sm90`).
+/// Wider key tiles halve the per-key softmax bookkeeping; 160 keys still leave room for the
+/// separate O staging buffer (225 KB) and waste 1.5 % on the ragged last tile at 2k / 4k (176
+/// keys, FA3's choice: no O buffer, 3 % at 2k). Same-binary A/B in the fa3 grid on the H100,
+/// 160 / 176 against 128 (session 5, call 8, bf16, two runs each): 512 -11 / -11 %, 1k -5 / -7 %,
+/// 2k +2 / -1 %, 4k -1 / -2 %, 8k +2 / +3 %, 16k +4 / +4 %; after 2 s of heat, 2k +1.5 / -2 %
+/// and 16k +3 / +2 %.
 const fn sm90_d128_short(dtype: KDType) -> Variant {
-    sm90_tile(dtype, 128, KMask::None, 128, 128, 4096)
+    sm90_tile(dtype, 128, KMask::None, 128, 128, 1024)
 }
 
 /// Largest seq_q routed to the split-KV decode kernels (decode and speculative widths).

@@ -58,7 +58,7 @@ fn every_class_serves_every_seq_len() {
     // An entry with a max_sq must be followed by one that takes longer queries.
     for v in VARIANTS {
         let class = (v.family, v.kind, v.dtype, v.head_dim, v.mask);
-        for sq in [1, 2048, 2049, 4096, 4097, 1 << 20] {
+        for sq in [1, 1024, 1025, 2048, 2049, 4096, 4097, 1 << 20] {
             assert!(
                 pick_sq(class, SMEM_SM90, sq).is_some(),
                 "{}: nothing serves seq_q {sq}",
@@ -72,9 +72,10 @@ fn every_class_serves_every_seq_len() {
     assert_eq!((short.block_m, long.block_m), (128, 192));
     for dtype in [KDType::Bf16, KDType::F16] {
         let class = ("sm90", KKind::Fwd, dtype, 128, KMask::None);
-        let short = pick_sq(class, SMEM_SM90, 4096).unwrap();
-        let long = pick_sq(class, SMEM_SM90, 4097).unwrap();
-        assert_eq!((short.block_n, long.block_n), (128, 176));
+        let short = pick_sq(class, SMEM_SM90, 1024).unwrap();
+        let long = pick_sq(class, SMEM_SM90, 1025).unwrap();
+        assert_eq!((short.block_n, long.block_n), (128, 160));
+        assert!(long.smem_bytes() <= SMEM_SM90, "{}", long.smem_bytes());
     }
 }
 
