@@ -160,7 +160,7 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //   FWD_PAIR: key-split warp pairs (fwd_body_pair below; STAGES 1): two warps share 2x the rows
 //     and split the keys of S and the columns of O; needs fwd_smem_bytes() of dynamic smem.
 //   FWD_LEAN: fewer registers live across the key loop, for tiles at the 255-register limit
-//     (d128 128x64): K/V tile pointers and the thread index recomputed from %ctaid / %tid where
+//     (d128 128x48 on sm_80/86/89): K/V tile pointers and the thread index recomputed from %ctaid / %tid where
 //     they are used, one remainder register for load_tile's row test (STAGES 2). Costs 2-5 %
 //     on the H100 (session 5), so it is used only where the tile would spill without it.
 enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16 };
@@ -917,8 +917,6 @@ __host__ __device__ constexpr int fwd_smem_bytes(int D, int BM, int BN, int WARP
     return (BM + 2 * STAGES * BN) * D * 2 +
            ((OPT & FWD_PAIR) != 0 ? BM * BN * 2 + 2 * WARPS * (BM / (WARPS / 2)) * 4 : 0);
 }
-// OPT used by FC_SM80_FWD (the variant table's macro) for a tile shape. Ship a measured winner by
-// returning its bits here, e.g. `return (D == 128 && BM == 128 && BN == 32) ? FWD_LAZY : 0;`.
 // Whether this compilation pass targets a GPU below sm_90 (device code of sm_80/86/89 and the
 // compute_80 PTX; false on sm_90 and on the host, where only fwd_smem_bytes reads OPT).
 __host__ __device__ constexpr bool fwd_pre_hopper_target() {
@@ -928,6 +926,8 @@ __host__ __device__ constexpr bool fwd_pre_hopper_target() {
     return false;
 #endif
 }
+// OPT used by FC_SM80_FWD (the variant table's macro) for a tile shape. Ship a measured winner by
+// returning its bits here, e.g. `return (D == 128 && BM == 128 && BN == 32) ? FWD_LAZY : 0;`.
 __host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WARPS, int STAGES) {
     // Measured on the H100 (sm_90 SASS, bf16, fa3 grid; docs/perf.md, session 2):
     //   d64 / d128 (4 warps): lazy rescale + XOR ldmatrix addressing, +5-10% over the plain
