@@ -248,45 +248,67 @@ __global__ void fill_rand(uint16_t* x, int64_t n, uint64_t seed) {
   }
 }
 
-static void time_all(const char* only) {
-  const int Ds[3] = {64, 128, 256}, Hs[3] = {32, 16, 8};
-  const int seqs[6] = {512, 1024, 2048, 4096, 8192, 16384};
-  size_t maxn = (size_t)16384 * 2048;
+// Buffers of the fa3-grid timings (16k tokens x up to 2048 features each, random), the events
+// and the 256 MB L2 flush buffer (like triton's do_bench).
+struct TimeBufs {
   uint16_t *q, *k, *v, *o; float* l;
-  CK(cudaMalloc(&q, maxn * 2)); CK(cudaMalloc(&k, maxn * 2)); CK(cudaMalloc(&v, maxn * 2)); CK(cudaMalloc(&o, maxn * 2));
-  CK(cudaMalloc(&l, 16384 * 32 * 4));
-  fill_rand<<<1024, 256>>>(q, maxn, 1); fill_rand<<<1024, 256>>>(k, maxn, 2); fill_rand<<<1024, 256>>>(v, maxn, 3);
-  CK(cudaDeviceSynchronize());
-  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  const size_t flush_bytes = (size_t)256 << 20; void* flush; CK(cudaMalloc(&flush, flush_bytes));
+  cudaEvent_t e0, e1;
+  void* flush;
+  static constexpr size_t FLUSH_BYTES = (size_t)256 << 20;
+  TimeBufs() {
+    const size_t maxn = (size_t)16384 * 2048;
+    CK(cudaMalloc(&q, maxn * 2)); CK(cudaMalloc(&k, maxn * 2)); CK(cudaMalloc(&v, maxn * 2)); CK(cudaMalloc(&o, maxn * 2));
+    CK(cudaMalloc(&l, 16384 * 32 * 4));
+    fill_rand<<<1024, 256>>>(q, maxn, 1); fill_rand<<<1024, 256>>>(k, maxn, 2); fill_rand<<<1024, 256>>>(v, maxn, 3);
+    CK(cudaDeviceSynchronize());
+    CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+    CK(cudaMalloc(&flush, FLUSH_BYTES));
+  }
+  // fa3-grid problem of head dim d (h = 32 / 16 / 8 heads for d64 / d128 / d256), seqlen s.
+  FcParams params(int d, int s, bool causal) const {
+    const int h = d == 64 ? 32 : d == 128 ? 16 : 8, b = 16384 / s;
+    FcParams p; memset(&p, 0, sizeof(p));
+    p.q = q; p.k = k; p.v = v; p.o = o; p.lse = l;
+    p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = d;
+    p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = (int64_t)h * d;
+    p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = (int64_t)s * h * d;
+    p.b = b; p.hq = h; p.hkv = h; p.sq = s; p.sk = s; p.d = d; p.h_ratio = 1;
+    p.scale = 1.0f / sqrtf((float)d); p.scale_log2 = p.scale * 1.4426950408889634f;
+    p.window_left = -1; p.window_right = causal ? 0 : -1; p.num_splits = 1;
+    return p;
+  }
+  // Median seconds of `reps` event-timed calls, each after a flush; `it` numbers the flushes.
+  double median(const KEntry& K, const FcParams& p, int reps, int& it) {
+    std::vector<float> ts;
+    for (int j = 0; j < reps; j++, it++) {
+      CK(cudaMemsetAsync(flush, it & 0xff, FLUSH_BYTES));
+      CK(cudaEventRecord(e0)); launch(K, p); CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
+      float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); ts.push_back(ms);
+    }
+    std::sort(ts.begin(), ts.end());
+    return ts[ts.size() / 2] * 1e-3;
+  }
+};
+
+static double fa3_tflops(const FcParams& p, bool causal, double t) {
+  const double avg_sk = causal ? (double)p.sk / 2 : p.sk;  // sq == sk: (0 + sk)/2
+  return 4.0 * p.b * p.hq * (double)p.sq * avg_sk * p.d / t / 1e12;
+}
+
+static void time_all(const char* only) {
+  const int seqs[6] = {512, 1024, 2048, 4096, 8192, 16384};
+  TimeBufs B;
   printf("TIME config                            seq causal    us     TFLOPS\n");
   for (auto& K : g_k) {
     if (K.dt != 0 || K.mask == 2) continue;
     if (only && !strstr(K.name.c_str(), only)) continue;
-    int di = K.d == 64 ? 0 : K.d == 128 ? 1 : 2;
     for (int s : seqs) {
-      int b = 16384 / s, h = Hs[di], d = Ds[di];
-      FcParams p; memset(&p, 0, sizeof(p));
-      p.q = q; p.k = k; p.v = v; p.o = o; p.lse = l;
-      p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = d;
-      p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = (int64_t)h * d;
-      p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = (int64_t)s * h * d;
-      p.b = b; p.hq = h; p.hkv = h; p.sq = s; p.sk = s; p.d = d; p.h_ratio = 1;
-      p.scale = 1.0f / sqrtf((float)d); p.scale_log2 = p.scale * 1.4426950408889634f;
-      p.window_left = -1; p.window_right = K.mask == 1 ? 0 : -1; p.num_splits = 1;
+      const FcParams p = B.params(K.d, s, K.mask == 1);
       for (int w = 0; w < 3; w++) launch(K, p);
       CK(cudaDeviceSynchronize());
-      std::vector<float> ts;
-      for (int it = 0; it < 30; it++) {
-        CK(cudaMemsetAsync(flush, it & 0xff, flush_bytes));  // L2 flush (like triton's do_bench)
-        CK(cudaEventRecord(e0)); launch(K, p); CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
-        float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); ts.push_back(ms);
-      }
-      std::sort(ts.begin(), ts.end());
-      double t = ts[ts.size() / 2] * 1e-3;
-      double avg_sk = K.mask == 1 ? (double)s / 2 : s;  // sq == sk: (0 + sk)/2
-      double tf = 4.0 * b * h * (double)s * avg_sk * d / t / 1e12;
-      printf("TIME %-34s %5d %d %9.1f %7.1f\n", K.name.c_str(), s, K.mask, t * 1e6, tf);
+      int it = 0;
+      const double t = B.median(K, p, 30, it);
+      printf("TIME %-34s %5d %d %9.1f %7.1f\n", K.name.c_str(), s, K.mask, t * 1e6, fa3_tflops(p, K.mask == 1, t));
       fflush(stdout);
     }
   }
@@ -297,17 +319,9 @@ static void time_all(const char* only) {
 // Per config and shape: `heat_s` seconds of back-to-back calls (with the L2 flush), then 40 timed
 // calls, median. Two passes, configs in forward then reverse order (temperature drifts upward).
 static void time_sustained(double heat_s, const char* only) {
-  const int Ds[3] = {64, 128, 256}, Hs[3] = {32, 16, 8};
   const int seqs[3] = {2048, 16384, 16384};
   const int causal[3] = {0, 0, 1};
-  size_t maxn = (size_t)16384 * 2048;
-  uint16_t *q, *k, *v, *o; float* l;
-  CK(cudaMalloc(&q, maxn * 2)); CK(cudaMalloc(&k, maxn * 2)); CK(cudaMalloc(&v, maxn * 2)); CK(cudaMalloc(&o, maxn * 2));
-  CK(cudaMalloc(&l, 16384 * 32 * 4));
-  fill_rand<<<1024, 256>>>(q, maxn, 1); fill_rand<<<1024, 256>>>(k, maxn, 2); fill_rand<<<1024, 256>>>(v, maxn, 3);
-  CK(cudaDeviceSynchronize());
-  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  const size_t flush_bytes = (size_t)256 << 20; void* flush; CK(cudaMalloc(&flush, flush_bytes));
+  TimeBufs B;
   std::vector<const KEntry*> ks;
   for (auto& K : g_k)
     if (K.dt == 0 && K.mask == 0 && (!only || strstr(K.name.c_str(), only))) ks.push_back(&K);
@@ -318,33 +332,16 @@ static void time_sustained(double heat_s, const char* only) {
         const KEntry* kp = causal[si] ? find_named(K0.name, 1) : &K0;
         if (!kp) continue;
         const KEntry& K = *kp;
-        int di = K.d == 64 ? 0 : K.d == 128 ? 1 : 2, s = seqs[si];
-        int b = 16384 / s, h = Hs[di], d = Ds[di];
-        FcParams p; memset(&p, 0, sizeof(p));
-        p.q = q; p.k = k; p.v = v; p.o = o; p.lse = l;
-        p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = d;
-        p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = (int64_t)h * d;
-        p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = (int64_t)s * h * d;
-        p.b = b; p.hq = h; p.hkv = h; p.sq = s; p.sk = s; p.d = d; p.h_ratio = 1;
-        p.scale = 1.0f / sqrtf((float)d); p.scale_log2 = p.scale * 1.4426950408889634f;
-        p.window_left = -1; p.window_right = causal[si] ? 0 : -1; p.num_splits = 1;
+        const FcParams p = B.params(K.d, seqs[si], causal[si]);
         auto t0 = std::chrono::steady_clock::now();
         int it = 0;
         while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < heat_s) {
-          for (int j = 0; j < 8; j++, it++) { CK(cudaMemsetAsync(flush, it & 0xff, flush_bytes)); launch(K, p); }
+          for (int j = 0; j < 8; j++, it++) { CK(cudaMemsetAsync(B.flush, it & 0xff, TimeBufs::FLUSH_BYTES)); launch(K, p); }
           CK(cudaDeviceSynchronize());
         }
-        std::vector<float> ts;
-        for (int j = 0; j < 40; j++, it++) {
-          CK(cudaMemsetAsync(flush, it & 0xff, flush_bytes));
-          CK(cudaEventRecord(e0)); launch(K, p); CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
-          float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); ts.push_back(ms);
-        }
-        std::sort(ts.begin(), ts.end());
-        double t = ts[ts.size() / 2] * 1e-3;
-        double avg_sk = causal[si] ? (double)s / 2 : s;
-        double tf = 4.0 * b * h * (double)s * avg_sk * d / t / 1e12;
-        printf("SUST %-34s %5d %d pass%d %9.1f %7.1f\n", K.name.c_str(), s, causal[si], pass, t * 1e6, tf);
+        const double t = B.median(K, p, 40, it);
+        printf("SUST %-34s %5d %d pass%d %9.1f %7.1f\n", K.name.c_str(), seqs[si], causal[si], pass, t * 1e6,
+               fa3_tflops(p, causal[si], t));
         fflush(stdout);
       }
     }

@@ -267,6 +267,16 @@ __device__ __forceinline__ float exp_row(float (&s)[NS][4], int hf, float sl2, f
     return sum;
 }
 
+// Row half `hf` (accumulator elements 2*hf, 2*hf+1) of m16 tile `mt` of O times f.
+template <int MT, int ND>
+__device__ __forceinline__ void scale_o_half(float (&o)[MT][ND][4], int mt, int hf, float f) {
+#pragma unroll
+    for (int j = 0; j < ND; ++j) {
+        o[mt][j][2 * hf] *= f;
+        o[mt][j][2 * hf + 1] *= f;
+    }
+}
+
 // Online softmax of one S tile: s becomes P (unnormalised, f32), O and l are rescaled.
 template <bool LAZY, int MT, int NS, int ND>
 __device__ __forceinline__ void softmax_tile(float (&s)[MT][NS][4], float (&o)[MT][ND][4],
@@ -283,11 +293,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][NS][4], float (&o)[M
                 row_m[mt][hf] = mx;
                 const float sum = exp_row(s[mt], hf, sl2, msc);
                 row_l[mt][hf] = row_l[mt][hf] * alpha + sum;
-#pragma unroll
-                for (int j = 0; j < ND; ++j) {
-                    o[mt][j][2 * hf] *= alpha;
-                    o[mt][j][2 * hf + 1] *= alpha;
-                }
+                scale_o_half(o, mt, hf, alpha);
             }
     } else {
         float alpha[MT][2];
@@ -363,6 +369,36 @@ __device__ __forceinline__ void pv_tile(const float (&s)[MT][NS][4], float (&o)[
         uint32_t pa[MT][4];
         pack_p<T>(s, kk, pa);
         pv_k16<T, D, MT, ND, XA>(o, pa, v_base, v_off, kk * 16);
+    }
+}
+
+// Epilogue of both forward bodies: this warp's normalised O (its 16*MT rows from warp_row, ND
+// 16-byte column chunks from chunk0) packed to T in a swizzled [rows][D] smem tile whose rows no
+// other warp (or only the warp's pair partner, on other columns) reads any more, then 16-byte
+// coalesced global stores of the rows < rows_valid.
+template <typename T, int D, int MT, int ND>
+__device__ __forceinline__ void store_o(unsigned char* smem_o, const float (&o)[MT][ND][4],
+                                        int warp_row, int lane, int chunk0, T* og,
+                                        int64_t row_stride, int rows_valid) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
+#pragma unroll
+            for (int j = 0; j < ND; ++j)
+                *reinterpret_cast<uint32_t*>(smem_o + swz<D>(r, chunk0 + j) + 4 * (lane & 3)) =
+                    Elem<T>::pack(o[mt][j][2 * hf], o[mt][j][2 * hf + 1]);
+        }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 16 * MT * ND / 32; ++i) {
+        const int c = lane + 32 * i;
+        const int r = warp_row + c / ND, ch = chunk0 + c % ND;
+        if (r < rows_valid) {
+            const uint4 val = *reinterpret_cast<const uint4*>(smem_o + swz<D>(r, ch));
+            *reinterpret_cast<uint4*>(og + (int64_t)r * row_stride + ch * 8) = val;
+        }
     }
 }
 
@@ -448,7 +484,6 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     constexpr int NS = BN / 8;             // n8 tiles of S per m16 tile
     constexpr int KD = D / 16;             // k16 steps of Q.K^T
     constexpr int ND = D / 8;              // n8 tiles of O
-    constexpr int CH = D / 8;              // 16-byte chunks per row
     // Keep Q in registers when the live accumulators leave room for it.
     constexpr bool Q_IN_REGS = (MT * KD * 4 + MT * ND * 4 + MT * NS * 4) <= 176;
     constexpr int QREG_MT = Q_IN_REGS ? MT : 1;
@@ -640,37 +675,12 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
             const float l = fc::quad_sum(row_l[mt][hf]);
             float lse;
             const float inv = fc::finalize_row(row_m[mt][hf], l, scale, lse);
-#pragma unroll
-            for (int j = 0; j < ND; ++j) {
-                o[mt][j][2 * hf] *= inv;
-                o[mt][j][2 * hf + 1] *= inv;
-            }
+            scale_o_half(o, mt, hf, inv);
             const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
             if ((lane & 3) == 0 && r < rows_valid) lse_out[r] = lse;
         }
     __syncwarp();
-    unsigned char* smem_o = fc_sm80_fwd_smem;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
-#pragma unroll
-            for (int j = 0; j < ND; ++j) {
-                *reinterpret_cast<uint32_t*>(smem_o + swz<D>(r, j) + 4 * (lane & 3)) =
-                    E::pack(o[mt][j][2 * hf], o[mt][j][2 * hf + 1]);
-            }
-        }
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < 16 * MT * CH / 32; ++i) {
-        const int c = lane + 32 * i;
-        const int r = warp_row + c / CH, ch = c % CH;
-        if (r < rows_valid) {
-            const uint4 val = *reinterpret_cast<const uint4*>(smem_o + swz<D>(r, ch));
-            *reinterpret_cast<uint4*>(o_out + (int64_t)r * p.o_row_stride + ch * 8) = val;
-        }
-    }
+    store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, 0, o_out, p.o_row_stride, rows_valid);
 }
 
 
@@ -709,7 +719,6 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
     constexpr int NS = HB / 8;   // n8 tiles of S per m16 tile
     constexpr int DH = D / 2;    // O columns per warp
     constexpr int ND = DH / 8;   // n8 tiles of O per m16 tile
-    using E = Elem<T>;
 
     extern __shared__ __align__(128) unsigned char fc_sm80_fwd_smem[];
     const uint32_t sQ = smem_addr(fc_sm80_fwd_smem);
@@ -874,37 +883,13 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
                             fc::ld_shared_f32(red_mate + SUM_OFF + (mt * 16 + hf * 8) * 4);
             float lse;
             const float inv = fc::finalize_row(row_m[mt][hf], l, scale, lse);
-#pragma unroll
-            for (int j = 0; j < ND; ++j) {
-                o[mt][j][2 * hf] *= inv;
-                o[mt][j][2 * hf + 1] *= inv;
-            }
+            scale_o_half(o, mt, hf, inv);
             const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
             if (half == 0 && (lane & 3) == 0 && r < t.rows_valid) lseg[r] = lse;
         }
-    // Stage this warp's O columns in the pair's own Q rows (only the pair read them, before the
-    // last tile's second __syncthreads), then 16-byte coalesced stores.
-    unsigned char* smem_o = fc_sm80_fwd_smem;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
-#pragma unroll
-            for (int j = 0; j < ND; ++j)
-                *reinterpret_cast<uint32_t*>(smem_o + swz<D>(r, half * ND + j) + 4 * (lane & 3)) =
-                    E::pack(o[mt][j][2 * hf], o[mt][j][2 * hf + 1]);
-        }
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < RW * ND / 32; ++i) {
-        const int c = lane + 32 * i;
-        const int r = warp_row + c / ND, ch = half * ND + c % ND;
-        if (r < t.rows_valid) {
-            const uint4 val = *reinterpret_cast<const uint4*>(smem_o + swz<D>(r, ch));
-            *reinterpret_cast<uint4*>(og + (int64_t)r * p.o_row_stride + ch * 8) = val;
-        }
-    }
+    // This warp's O columns go through the pair's own Q rows (only the pair read them, before the
+    // last tile's second __syncthreads).
+    store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, half * ND, og, p.o_row_stride, t.rows_valid);
 }
 
 }  // namespace fc_sm80
