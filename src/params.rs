@@ -48,7 +48,8 @@ impl Mask {
 /// Options of [`crate::attention`].
 #[derive(Clone, Debug, Default)]
 pub struct AttnParams {
-    /// Multiplies `q . k`; `None` means `1 / sqrt(head_dim)`.
+    /// Multiplies `q . k`; `None` means `1 / sqrt(head_dim)`. Any finite value on the CPU; the
+    /// GPU kernels take a scale > 0 (otherwise an error naming the option).
     pub softmax_scale: Option<f32>,
     /// The mask; bottom-right aligned.
     pub mask: Mask,

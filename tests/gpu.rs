@@ -105,7 +105,18 @@ fn check_inputs(what: &str, q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask) -> R
         mask,
         ..Default::default()
     };
-    let (o, lse) = attention_with_lse(q, k, v, &p)?;
+    check_params(what, q, k, v, &p)
+}
+
+/// `check_inputs` with any parameters.
+fn check_params(
+    what: &str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    p: &AttnParams,
+) -> Result<(f64, f64)> {
+    let (o, lse) = attention_with_lse(q, k, v, p)?;
     let o = o.to_device(&Device::Cpu)?;
     let lse = lse.to_device(&Device::Cpu)?;
     assert_eq!(
@@ -113,8 +124,8 @@ fn check_inputs(what: &str, q: &Tensor, k: &Tensor, v: &Tensor, mask: Mask) -> R
         0,
         "{what}: non-finite (unwritten or NaN) output elements"
     );
-    let (o_ref, lse_ref) = reference_f64(q, k, v, &p)?;
-    let naive = attention_slow(q, k, v, &p)?.to_device(&Device::Cpu)?;
+    let (o_ref, lse_ref) = reference_f64(q, k, v, p)?;
+    let naive = attention_slow(q, k, v, p)?.to_device(&Device::Cpu)?;
     let err = max_abs_diff(&o, &o_ref)?;
     let naive_err = max_abs_diff(&naive, &o_ref)?;
     let floor = rounding_floor(q.dtype(), max_abs(&o_ref)?);
@@ -232,6 +243,79 @@ fn random_problems() -> Result<()> {
             .map_err(|e| candle_core::Error::Msg(format!("random case {i} ({c}): {e}")))?;
     }
     println!("random_problems: {count} cases passed");
+    Ok(())
+}
+
+/// Softmax scales other than 1/sqrt(d) (small, large; zero and negative ones have no GPU kernel
+/// and must say so) and scores that grow as the kernels walk the keys (last key tile first): the
+/// running-max bookkeeping of every family, including the sm90 lazy rescale (a row's reference
+/// max moves only when the max grows by more than 2^8 in exp2 units; scale 1 and the ramp make
+/// that happen tile after tile).
+#[test]
+fn softmax_scales_and_growing_scores() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let (mut n, mut combo) = (0, 0);
+    for d in [64, 128, 256] {
+        for mask in [Mask::None, Mask::Causal] {
+            combo += 1; // bf16 / f16 and packed / strided alternate
+            let dtype = if combo % 2 == 0 {
+                DType::BF16
+            } else {
+                DType::F16
+            };
+            let (sq, sk) = if mask == Mask::None {
+                (300, 700)
+            } else {
+                (700, 700)
+            };
+            let (q, k, v) = qkv(1, sq, sk, 4, 2, d, dtype, combo % 3 != 0, &dev)?;
+            // key j scaled by 1 + 3 (sk - 1 - j) / sk: scores grow toward key 0
+            let ramp: Vec<f32> = (0..sk)
+                .map(|j| 1.0 + 3.0 * (sk - 1 - j) as f32 / sk as f32)
+                .collect();
+            let ramp = Tensor::from_vec(ramp, (1, sk, 1, 1), &dev)?.to_dtype(dtype)?;
+            let k_ramp = k.broadcast_mul(&ramp)?;
+            let base = 1.0 / (d as f32).sqrt();
+            for (scale, keys) in [
+                (0.0, &k),
+                (-0.3 * base, &k),
+                (0.02 * base, &k),
+                (1.0, &k),
+                (base, &k_ramp),
+                (2.0 * base, &k_ramp),
+            ] {
+                let what = format!(
+                    "{dtype:?} sq{sq} sk{sk} h4/2 d{d} {} scale {scale:.4} ramp={}",
+                    mask_name(mask),
+                    std::ptr::eq(keys, &k_ramp)
+                );
+                let p = AttnParams {
+                    mask,
+                    softmax_scale: Some(scale),
+                    ..Default::default()
+                };
+                if scale <= 0.0 {
+                    // no GPU kernel: a clear error, and the CPU path computes it
+                    let e = flashcore::attention(&q, keys, &v, &p)
+                        .unwrap_err()
+                        .to_string();
+                    assert!(
+                        e.contains("no CUDA kernel for softmax_scale"),
+                        "{what}: {e}"
+                    );
+                    let cpu = |t: &Tensor| t.to_device(&Device::Cpu);
+                    let (e, ne) = check_params(&what, &cpu(&q)?, &cpu(keys)?, &cpu(&v)?, &p)?;
+                    println!("[OK] {what}: GPU refuses; CPU err {e:.2e} (naive {ne:.2e})");
+                } else {
+                    let (e, ne) = check_params(&what, &q, keys, &v, &p)?;
+                    println!("[OK] {what}: err {e:.2e} (naive {ne:.2e})");
+                }
+                n += 1;
+            }
+        }
+    }
+    println!("softmax_scales_and_growing_scores: {n} cases passed");
     Ok(())
 }
 

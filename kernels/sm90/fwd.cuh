@@ -4,10 +4,10 @@
 // warpgroups (setmaxnreg.inc), each owning 64 query rows. Q is loaded once (TMA, SW128), K and V
 // stream through a STAGES-deep ring of full/empty mbarriers, key tiles are walked from the last
 // (masked) one down to 0. Per consumer: S = Q K^T with SS wgmma (K-major, SW128), online softmax in
-// registers (exp2, scale_log2 folded), P packed to 16-bit registers, O += P V with RS wgmma (V is
-// MN-major in smem, imm-trans-b = 1). Intra-warpgroup overlap: QK^T of tile i is issued before the
-// P V of tile i-1, and the softmax of tile i runs while that P V is in flight (the wait for that
-// P V sits after the loop back-edge, so ptxas cannot hoist it above the softmax: v4, session 2).
+// registers (exp2, scale_log2 folded, lazy O rescale), P packed to 16-bit registers, O += P V with
+// RS wgmma (V is MN-major in smem, imm-trans-b = 1). Intra-warpgroup overlap: QK^T of tile i is
+// issued before the P V of tile i-1, and the softmax of tile i runs while that P V is in flight (the
+// wait for that P V sits after the loop back-edge, so ptxas cannot hoist it above the softmax: v4).
 // Optional ping-pong between consumer warpgroups (named barriers 1..NC) hands the tensor cores
 // from one to the next. Persistent tile loop (any grid size, see below). Epilogue: 1/l, O staged
 // (swizzled) in a separate O buffer when it fits in smem (then Q of the next tile loads right
@@ -108,6 +108,12 @@ struct FwdSm90 {
     static constexpr int BAR_SCHED = 1;            // named barriers 1..NC: ping-pong
     static constexpr int BAR_EPI = 1 + NC;         // named barriers NC+1..2NC: per-WG epilogue
     static constexpr bool BF = TypeInfo<T>::bf16;
+    // Lazy rescale: a row keeps its reference max m until the true max exceeds it by more than
+    // RESCALE_LOG2 in exp2 units (P <= 2^8 = 256 then: exact in f32, the same relative rounding in
+    // bf16/fp16, and O, l and the LSE all use the same reference). O is rescaled only when some
+    // row of the warp moved its reference (a warp vote), not after every key tile: +2.2 % over the
+    // fa3 grid (H100, session 6, docs/perf.md).
+    static constexpr float RESCALE_LOG2 = 8.f;
     using QK = Wgmma<BN, BF>;
     using PV = Wgmma<D, BF>;
 
@@ -382,9 +388,14 @@ struct FwdSm90 {
                 for (int r = 0; r < 2; ++r) {
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                    mu[r] = mx[r] == -INFINITY ? 0.f : mx[r] * sl2;
-                    alpha[r] = ex2(m_r[r] * sl2 - mu[r]);
-                    m_r[r] = mx[r];
+                    // The first visible key sets the reference (O = 0 and l = 0 until then: alpha 1);
+                    // later only a growth past the threshold moves it (never for a scale <= 0,
+                    // where the raw max is a valid reference forever, as in the eager update).
+                    const bool first = m_r[r] == -INFINITY;
+                    const bool upd = first ? mx[r] != -INFINITY : mx[r] * sl2 - m_r[r] * sl2 > RESCALE_LOG2;
+                    alpha[r] = upd && !first ? ex2(m_r[r] * sl2 - mx[r] * sl2) : 1.f;
+                    if (upd) m_r[r] = mx[r];
+                    mu[r] = m_r[r] == -INFINITY ? 0.f : m_r[r] * sl2;
                 }
                 float sum[2] = {0.f, 0.f};
 #pragma unroll
@@ -452,8 +463,10 @@ struct FwdSm90 {
                     if (t128 == 0) mbar_arrive(empty_v(vs.stage));
                     vs.advance();
                 }
+                if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-                for (int j = 0; j < D / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
+                    for (int j = 0; j < D / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
+                }
                 convert_p();
             };
             for (int i = 1; i < NT; ++i) {

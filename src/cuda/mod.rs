@@ -219,6 +219,14 @@ fn choose(p: &Problem, arch: Arch, smem: u32) -> Result<&'static Variant> {
     if p.alibi {
         return Err(unsupported("ALiBi slopes".into()));
     }
+    // The kernels mask with -inf raw scores and keep the row max of raw scores: that needs a
+    // positive scale (0 turns masked scores into NaN, a negative one gives them weight +inf).
+    if p.scale <= 0.0 {
+        return Err(unsupported(format!(
+            "softmax_scale {} (the GPU kernels take a scale > 0)",
+            p.scale
+        )));
+    }
     let mask = kmask(p.mask);
     let d = p.d as u32;
     let mut candidates: Vec<(&str, KKind)> = Vec::new();
