@@ -232,7 +232,7 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
 const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // wgmma + TMA, 1 producer + block_m/64 consumer warpgroups, 2-stage K/V ring; see docs/perf.md.
     // d128 non-causal 128x160 (225 KB with the O staging buffer) serves seq_q > 1k, after
-    // `sm90_d128_short`.
+    // `sm90_d128_short`; d256 128x80 serves seq_q > 2k, after `sm90_d256_short`.
     let (block_m, block_n) = match (head_dim, mask) {
         (64, _) => (192, 128),
         (128, KMask::None) => (128, 160),
@@ -266,6 +266,15 @@ const fn sm90_d128_short(dtype: KDType) -> Variant {
     sm90_tile(dtype, 128, KMask::None, 128, 128, 1024)
 }
 
+/// d256 up to 2k query rows: 64-key tiles; longer problems take 128x80 (`sm90`). 80 keys leave a
+/// ragged last tile at 512 (7 x 80 for 512 keys) and, causal, compute more of the diagonal. Same
+/// binary A/B on the H100 (session 6, call G, bf16, two runs each, FLASHCORE_SKIP_VARIANTS):
+/// non-causal +2.7 / +2.5 % at 512, +0.3 / +0.9 % at 1k, +2.0 / +0.9 % at 2k; causal +3.7 / +3.2 %,
+/// -1.3 / -0.8 %, +3.0 / +3.1 %.
+const fn sm90_d256_short(dtype: KDType, mask: KMask) -> Variant {
+    sm90_tile(dtype, 256, mask, 128, 64, 2048)
+}
+
 /// Largest seq_q routed to the split-KV decode kernels (decode and speculative widths).
 pub const DECODE_MAX_SQ: u32 = 16;
 
@@ -284,7 +293,9 @@ pub const VARIANTS: &[Variant] = &[
     sm90_d128_short(KDType::Bf16),
     sm90(KDType::Bf16, 128, KMask::None),
     sm90(KDType::Bf16, 128, KMask::Causal),
+    sm90_d256_short(KDType::Bf16, KMask::None),
     sm90(KDType::Bf16, 256, KMask::None),
+    sm90_d256_short(KDType::Bf16, KMask::Causal),
     sm90(KDType::Bf16, 256, KMask::Causal),
     sm90(KDType::F16, 64, KMask::None),
     sm90_d64_causal_short(KDType::F16),
@@ -292,7 +303,9 @@ pub const VARIANTS: &[Variant] = &[
     sm90_d128_short(KDType::F16),
     sm90(KDType::F16, 128, KMask::None),
     sm90(KDType::F16, 128, KMask::Causal),
+    sm90_d256_short(KDType::F16, KMask::None),
     sm90(KDType::F16, 256, KMask::None),
+    sm90_d256_short(KDType::F16, KMask::Causal),
     sm90(KDType::F16, 256, KMask::Causal),
     sm80(KDType::Bf16, 64, KMask::None),
     sm80(KDType::Bf16, 64, KMask::Causal),

@@ -76,6 +76,12 @@ fn every_class_serves_every_seq_len() {
         let long = pick_sq(class, SMEM_SM90, 1025).unwrap();
         assert_eq!((short.block_n, long.block_n), (128, 160));
         assert!(long.smem_bytes() <= SMEM_SM90, "{}", long.smem_bytes());
+        for mask in [KMask::None, KMask::Causal] {
+            let class = ("sm90", KKind::Fwd, dtype, 256, mask);
+            let short = pick_sq(class, SMEM_SM90, 2048).unwrap();
+            let long = pick_sq(class, SMEM_SM90, 2049).unwrap();
+            assert_eq!((short.block_n, long.block_n), (64, 80), "d256 {mask:?}");
+        }
     }
 }
 
