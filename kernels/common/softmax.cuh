@@ -51,6 +51,24 @@ __device__ __forceinline__ float online_rescale(float m_old, float m_new, float 
     return exp2_approx(m_old * scale_log2 - m_scaled);
 }
 
+// Lazy online-softmax step (sm80 FWD_LAZY, sm90 always): the row's reference max m (raw units)
+// moves to m_new (the row max so far, quad-reduced) only at the row's first visible key or when
+// m_new exceeds it by more than LAZY_RESCALE_LOG2 in exp2 units, so P <= 2^8 (exact in f32, the
+// usual relative rounding in bf16/fp16); O, l and the LSE all use the same reference. Returns
+// alpha for O and l: 1 while the reference stays, and at the first visible key (O and l are still
+// zero), so callers rescale O only when some row of the warp returned alpha != 1 (a warp vote).
+// Sets m_scaled, the exp2 bias of this tile. Needs scale_log2 > 0: the dispatcher refuses others.
+constexpr float LAZY_RESCALE_LOG2 = 8.f;
+__device__ __forceinline__ float lazy_rescale(float& m, float m_new, float scale_log2, float& m_scaled) {
+    const bool first = m == FC_NEG_INF;
+    // (-inf) - (-inf) = NaN compares false: a row with no visible key yet stays at -inf
+    const bool up = (m_new - m) * scale_log2 > LAZY_RESCALE_LOG2;
+    m_scaled = max_scaled(up ? m_new : m, scale_log2);
+    const float alpha = up && !first ? exp2_approx(m * scale_log2 - m_scaled) : 1.f;
+    if (up) m = m_new;
+    return alpha;
+}
+
 // Final normalisation of a row: returns 1/l (0 for an empty row) and writes the natural-log LSE.
 __device__ __forceinline__ float finalize_row(float m, float l, float scale, float& lse) {
     const bool empty = !(l > 0.f);  // also catches NaN

@@ -146,11 +146,10 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 }
 
 // Tuning options of fwd_body (OPT bit mask). Every option computes the same result.
-//   FWD_LAZY: lazy O rescale. A row keeps its running max unless the tile's max exceeds it by
-//     more than 2^FWD_LAZY_LOG2 (exp2 units); P then lies in [0, 2^8] (exact in bf16/f16 up to
-//     the usual relative rounding) and the 128 FMULs per key tile that rescale O run only when
-//     some row of the warp raised its max (warp-uniform branch). l, O and LSE all use the same
-//     (possibly stale) max, so the normalised result is unchanged.
+//   FWD_LAZY: lazy O rescale (fc::lazy_rescale, common/softmax.cuh). A row keeps its running
+//     max unless the tile's max exceeds it by more than 2^8 (exp2 units); the 128 FMULs per key
+//     tile that rescale O run only when some row of the warp raised its max (warp-uniform
+//     branch). l, O and LSE all use the same (possibly stale) max, so the result is unchanged.
 //   (A software-pipelined schedule, next tile's Q.K^T beside the current softmax, was tried and
 //   dropped: it needs a second S tile, spills at 255 registers and measured 0-4% slower; the
 //   dev harness of session 2 in docs/perf.md.)
@@ -175,7 +174,6 @@ template <bool XA>
 __device__ __forceinline__ uint32_t lane_addr(uint32_t base, const uint32_t (&off)[4], int j) {
     return XA ? (base ^ (uint32_t)(j << 5)) : base + off[j];
 }
-constexpr float FWD_LAZY_LOG2 = 8.f;
 
 // S = Q K^T for one key tile (Q fragments re-read from shared memory per k-step).
 // KU: unroll factor of the k16 loop (KD = full; smaller bounds how far ptxas hoists the next
@@ -302,17 +300,10 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][NS][4], float (&o)[M
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                const float m_old = row_m[mt][hf];
-                const float mx = row_max(s[mt], hf, m_old);
-                // mx >= m_old. (-inf) - (-inf) = NaN compares false: an empty row stays -inf.
-                // m_old = -inf with a finite mx gives +inf > threshold: first max is taken.
-                const bool up = (mx - m_old) * sl2 > FWD_LAZY_LOG2;
-                const float m_new = up ? mx : m_old;
-                const float msc = fc::max_scaled(m_new, sl2);
-                // m_old = -inf: exp2(-inf) = 0 (O and l are still zero).
-                alpha[mt][hf] = up ? fc::exp2_approx(m_old * sl2 - msc) : 1.f;
-                up_any |= up;
-                row_m[mt][hf] = m_new;
+                const float mx = row_max(s[mt], hf, row_m[mt][hf]);
+                float msc;
+                alpha[mt][hf] = fc::lazy_rescale(row_m[mt][hf], mx, sl2, msc);
+                up_any |= alpha[mt][hf] != 1.f;
                 const float sum = exp_row(s[mt], hf, sl2, msc);
                 row_l[mt][hf] = fmaf(row_l[mt][hf], alpha[mt][hf], sum);
             }

@@ -113,7 +113,7 @@ struct FwdSm90 {
     // bf16/fp16, and O, l and the LSE all use the same reference). O is rescaled only when some
     // row of the warp moved its reference (a warp vote), not after every key tile: +2.2 % over the
     // fa3 grid (H100, session 6, docs/perf.md).
-    static constexpr float RESCALE_LOG2 = 8.f;
+    static constexpr float RESCALE_LOG2 = 8.f;  // = fc::LAZY_RESCALE_LOG2
     using QK = Wgmma<BN, BF>;
     using PV = Wgmma<D, BF>;
 
@@ -388,9 +388,11 @@ struct FwdSm90 {
                 for (int r = 0; r < 2; ++r) {
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                    // The first visible key sets the reference (O = 0 and l = 0 until then: alpha 1);
-                    // later only a growth past the threshold moves it (never for a scale <= 0,
-                    // where the raw max is a valid reference forever, as in the eager update).
+                    // The rule of fc::lazy_rescale (common/softmax.cuh, the sm80 kernels), written
+                    // out: through the helper this kernel ran 1.6 % slower at d128 (session 6, call
+                    // K). The first visible key sets the reference (O = 0 and l = 0 until then:
+                    // alpha 1); later only a growth past the threshold moves it. Needs a scale > 0
+                    // (the dispatcher refuses others).
                     const bool first = m_r[r] == -INFINITY;
                     const bool upd = first ? mx[r] != -INFINITY : mx[r] * sl2 - m_r[r] * sl2 > RESCALE_LOG2;
                     alpha[r] = upd && !first ? ex2(m_r[r] * sl2 - mx[r] * sl2) : 1.f;
