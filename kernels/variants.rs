@@ -93,11 +93,16 @@ pub struct Variant {
 
 impl Variant {
     /// Entry-point name: `fc_<family>_<kind>_<dtype>_d<head_dim>_<mask>_<block_m>x<block_n>`,
-    /// plus `p` for warp pairs (the tile tells apart the variants of one problem class that need
-    /// different smem).
+    /// plus `p` for warp pairs and `_s<stages>` for sm90 tiles with other than two K/V stages (the
+    /// tile tells apart the variants of one problem class that need different smem).
     pub fn symbol(&self) -> String {
+        let stages = if self.is_family("sm90") && self.stages != 2 {
+            format!("_s{}", self.stages)
+        } else {
+            String::new()
+        };
         format!(
-            "fc_{}_{}_{}_d{}_{}_{}x{}{}",
+            "fc_{}_{}_{}_d{}_{}_{}x{}{}{stages}",
             self.family,
             self.kind.name(),
             self.dtype.name(),
@@ -243,8 +248,22 @@ const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
 }
 
 const fn sm90_tile(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, block_n: u32, max_sq: u32) -> Variant {
+    sm90_staged(dtype, head_dim, mask, block_m, block_n, max_sq, 2)
+}
+
+const fn sm90_staged(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, block_n: u32, max_sq: u32, stages: u32) -> Variant {
     let warps = (block_m / 64 + 1) * 4;
-    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages: 2, max_sq, warp_pairs: false }
+    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false }
+}
+
+/// Non-causal d64 up to 1k query rows: 256x64 tiles, four consumer warpgroups, a 4-deep K/V ring
+/// (symbol suffix `_s4`). The 192-row tile pads 512 / 1k query rows to 576 / 1152, and d64 is
+/// latency-bound (session 6 profile): a fourth consumer warpgroup hides more of it. Same-binary
+/// A/B on the H100 against 192x128 (session 7, calls C and D, bf16): +8.5 / +6.3 % at 512 / 1k
+/// (2 stages: +3.4-5.1 / +4.5-5.8 %, calls A and B); from 2k up the 64-key tiles lose (2 stages,
+/// call A: -3 % at 2k, -7 % at 8k and 16k).
+const fn sm90_d64_short(dtype: KDType) -> Variant {
+    sm90_staged(dtype, 64, KMask::None, 256, 64, 1024, 4)
 }
 
 /// Causal d64 up to 2k query rows: 128-row tiles. With 192-row ones the causal grid computes
@@ -287,6 +306,7 @@ pub fn combine_symbol(family: &str, dtype: KDType, head_dim: u32) -> String {
 /// several entries, they are in order of preference: the dispatcher takes the first one whose
 /// shared memory fits the GPU and whose `max_sq` admits the problem's seq_q.
 pub const VARIANTS: &[Variant] = &[
+    sm90_d64_short(KDType::Bf16),
     sm90(KDType::Bf16, 64, KMask::None),
     sm90_d64_causal_short(KDType::Bf16),
     sm90(KDType::Bf16, 64, KMask::Causal),
@@ -297,6 +317,7 @@ pub const VARIANTS: &[Variant] = &[
     sm90(KDType::Bf16, 256, KMask::None),
     sm90_d256_short(KDType::Bf16, KMask::Causal),
     sm90(KDType::Bf16, 256, KMask::Causal),
+    sm90_d64_short(KDType::F16),
     sm90(KDType::F16, 64, KMask::None),
     sm90_d64_causal_short(KDType::F16),
     sm90(KDType::F16, 64, KMask::Causal),

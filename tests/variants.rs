@@ -71,6 +71,18 @@ fn every_class_serves_every_seq_len() {
     let long = pick_sq(class, SMEM_SM90, 2049).unwrap();
     assert_eq!((short.block_m, long.block_m), (128, 192));
     for dtype in [KDType::Bf16, KDType::F16] {
+        // d64 non-causal: four consumer warpgroups on 256x64 with a 4-deep K/V ring up to 1k
+        // query rows, three on 192x128 above (docs/perf.md, session 7).
+        let class = ("sm90", KKind::Fwd, dtype, 64, KMask::None);
+        let short = pick_sq(class, SMEM_SM90, 1024).unwrap();
+        let long = pick_sq(class, SMEM_SM90, 1025).unwrap();
+        assert_eq!(
+            (short.block_m, short.block_n, short.warps, short.stages),
+            (256, 64, 20, 4)
+        );
+        assert!(short.symbol().ends_with("_256x64_s4"), "{}", short.symbol());
+        assert_eq!((long.block_m, long.block_n, long.stages), (192, 128, 2));
+        assert!(long.symbol().ends_with("_192x128"), "{}", long.symbol());
         let class = ("sm90", KKind::Fwd, dtype, 128, KMask::None);
         let short = pick_sq(class, SMEM_SM90, 1024).unwrap();
         let long = pick_sq(class, SMEM_SM90, 1025).unwrap();

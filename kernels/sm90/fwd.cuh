@@ -88,7 +88,7 @@ template <> struct TypeInfo<__half> {
 template <typename T, int D, int MASK, int BM, int BN, int STAGES, bool PINGPONG>
 struct FwdSm90 {
     static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128, 192 or 256");
-    static_assert(BM % 64 == 0 && BM >= 128 && BM <= 192, "BLOCK_M = 128 or 192");
+    static_assert(BM % 64 == 0 && BM >= 128 && BM <= 256, "BLOCK_M = 128, 192 or 256");
     static_assert(BN % 16 == 0 && BN <= 256, "BLOCK_N multiple of 16");
     static_assert(MASK == 0 || MASK == 1, "sm90 path: mask none or causal");
     static constexpr bool CAUSAL = MASK == 1;
@@ -100,11 +100,16 @@ struct FwdSm90 {
     static constexpr bool SEP_O = fwd_sep_o(BM, BN, D, STAGES);
     static constexpr uint32_t TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + (SEP_O ? Q_BYTES : 0);
     static_assert(TILE_BYTES + 1280 <= 232448, "shared memory over the 227 KB limit");
-    // setmaxnreg split; (NC * CONS_REGS + PROD_REGS) * 128 <= the launch's 65536 / NTHREADS * NTHREADS.
+    // setmaxnreg split. setmaxnreg.inc blocks until the CTA's register pool (what the launch
+    // allocated: NTHREADS x the per-thread budget of __launch_bounds__(NTHREADS, 1), a multiple
+    // of 8) has the registers, so the split must fit that pool, not the SM's 64K: with four
+    // consumer warpgroups the pool is 640 x 96, and 112 / 56 hung (session 6, call J).
     // d64 with two consumer warpgroups needs few consumer registers and more for the producer
     // (TMA thread + tile scheduler: 24 spill there).
     static constexpr int PROD_REGS = NC == 2 ? (D == 64 ? 40 : 24) : 32;
-    static constexpr int CONS_REGS = NC == 2 ? (D == 64 ? 232 : 240) : 160;
+    static constexpr int CONS_REGS = NC == 2 ? (D == 64 ? 232 : 240) : NC == 3 ? 160 : 112;
+    static_assert((NC * CONS_REGS + PROD_REGS) * 128 <= (65536 / NTHREADS) / 8 * 8 * NTHREADS,
+                  "setmaxnreg split over the CTA's register pool (the consumers' inc would hang)");
     static constexpr int BAR_SCHED = 1;            // named barriers 1..NC: ping-pong
     static constexpr int BAR_EPI = 1 + NC;         // named barriers NC+1..2NC: per-WG epilogue
     static constexpr bool BF = TypeInfo<T>::bf16;
