@@ -11,18 +11,21 @@
 // Optional ping-pong between consumer warpgroups (named barriers 1..NC) hands the tensor cores
 // from one to the next. Persistent tile loop (any grid size, see below). Epilogue: 1/l, O staged
 // (swizzled) in a separate O buffer when it fits in smem (then Q of the next tile loads right
-// after the last Q K^T), else in the warpgroup's own slice of the Q buffer; 16-byte coalesced
-// global stores of rows < sq; LSE (natural log) f32; empty rows O = 0, LSE = -inf.
+// after the last Q K^T), else in the warpgroup's own slice of the Q buffer; one thread per
+// warpgroup stores the slice with a TMA bulk-tensor store (rows >= sq are outside the map); LSE
+// (natural log) f32; empty rows O = 0, LSE = -inf (16-byte stores).
 //
 // ---------------------------------------------------------------------------------------------
 // LAUNCH CONTRACT (host side; see .scratch/sm90/harness.cu make_maps() for the reference code)
 //   kernel:  SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,
-//                   const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v)
+//                   const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+//                   const __grid_constant__ CUtensorMap tm_o)
 //   grid: any size. Static schedule (p.tile_counter null): CTA i (linear id) processes tiles
 //         k*nctas + (k odd ? nctas-1-i : i), k = 0, 1, ... of the ceil(sq/BLOCK_M)*hq*b query tiles;
 //         one CTA per tile is grid (ceil(sq/BLOCK_M), hq, b), persistent is grid (min(tiles, #SMs), 1, 1)
 //         (it overlaps one tile's epilogue with the next tile's loads: use it for no mask).
-//         Dynamic schedule (kernels with DYN = causal d64/d128; p.tile_counter -> a zeroed int32, grid
+//         Dynamic schedule (DYN kernels: causal d64/d128, causal d256 with 64-key tiles;
+//         p.tile_counter -> a zeroed int32, grid
 //         (min(tiles, #SMs), 1, 1)): CTA i starts with tile i, then a scheduler thread (warp 1 of the
 //         producer warpgroup) draws nctas + atomicAdd(counter, 1) whenever a slot of a 2-slot mbarrier
 //         ring in smem is free, and publishes the decoded tile to the TMA thread and the consumers.
@@ -33,20 +36,20 @@
 //                = (BLOCK_M + 2*STAGES*BLOCK_N + (SEP_O ? BLOCK_M : 0)) * HEAD_DIM * 2 + 1280, where
 //                  SEP_O = (2*BLOCK_M + 2*STAGES*BLOCK_N) * HEAD_DIM * 2 + 1280 <= 232448 (227 KB)
 //     -> needs cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) (> 48 KB).
-//   Tensor maps (cuTensorMapEncodeTiled), one each for q, k, v, all the same recipe:
+//   Tensor maps (cuTensorMapEncodeTiled), one each for q, k, v, o, all the same recipe:
 //     dataType  CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 or _FLOAT16;  rank 4
-//     globalAddress = p.q / p.k / p.v (must be 16-byte aligned)
-//     globalDim     = { d, seq, heads, batch }  (fastest first; seq = sq for q, sk for k/v;
-//                                                heads = hq for q, hkv for k/v)
+//     globalAddress = p.q / p.k / p.v / p.o (must be 16-byte aligned)
+//     globalDim     = { d, seq, heads, batch }  (fastest first; seq = sq for q and o, sk for k/v;
+//                                                heads = hq for q and o, hkv for k/v)
 //     globalStrides = { row_stride*2, head_stride*2, batch_stride*2 } bytes (each a multiple of 16
 //                     and < 2^40; a size-1 dim may use any valid stride, e.g. seq*row_stride*2)
-//     boxDim        = { 64, BLOCK_M (q) or BLOCK_N (k, v), 1, 1 }
+//     boxDim        = { 64, BLOCK_M (q) or BLOCK_N (k, v) or 64 (o), 1, 1 }
 //     elementStrides= { 1, 1, 1, 1 }
 //     interleave CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle CU_TENSOR_MAP_SWIZZLE_128B,
 //     l2Promotion CU_TENSOR_MAP_L2_PROMOTION_L2_128B, oobFill CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE (zeros)
 //   Requirements the host must check (else use the sm80 path): head_dim % 64 == 0; q/k/v base
 //   addresses 16-B aligned and their row/head/batch strides multiples of 8 elements; o base 16-B
-//   aligned and o strides multiples of 8 elements (16-byte vector stores); mask none or causal
+//   aligned and o strides multiples of 8 elements (TMA store, 16-byte zero stores); mask none or causal
 //   (window_left = -1, window_right in {-1, 0}); softcap == 0; no ALiBi; num_splits == 1.
 // ---------------------------------------------------------------------------------------------
 #pragma once
@@ -104,10 +107,15 @@ struct FwdSm90 {
     // allocated: NTHREADS x the per-thread budget of __launch_bounds__(NTHREADS, 1), a multiple
     // of 8) has the registers, so the split must fit that pool, not the SM's 64K: with four
     // consumer warpgroups the pool is 640 x 96, and 112 / 56 hung (session 6, call J).
-    // d64 with two consumer warpgroups needs few consumer registers and more for the producer
-    // (TMA thread + tile scheduler: 24 spill there).
-    static constexpr int PROD_REGS = NC == 2 ? (D == 64 ? 40 : 24) : 32;
-    static constexpr int CONS_REGS = NC == 2 ? (D == 64 ? 232 : 240) : NC == 3 ? 160 : 112;
+    // Causal tiles are unequal: dynamic schedule (p.tile_counter) for d64/d128 and for d256 with
+    // 64-key tiles (`sm90_d256_short`; the 80-key tile spills at 232 consumer registers). No mask:
+    // static (any grid). Host side: src/cuda/mod.rs `sm90_dynamic`.
+    static constexpr bool DYN = CAUSAL && (D <= 128 || BN == 64);
+    // d64, and d256 on the dynamic schedule, with two consumer warpgroups: the producer (TMA thread
+    // + tile scheduler) spills at 24 registers, 40 then, and 232 for the consumers.
+    static constexpr bool PROD40 = D == 64 || (D > 128 && DYN);
+    static constexpr int PROD_REGS = NC == 2 ? (PROD40 ? 40 : 24) : 32;
+    static constexpr int CONS_REGS = NC == 2 ? (PROD40 ? 232 : 240) : NC == 3 ? 160 : 112;
     static_assert((NC * CONS_REGS + PROD_REGS) * 128 <= (65536 / NTHREADS) / 8 * 8 * NTHREADS,
                   "setmaxnreg split over the CTA's register pool (the consumers' inc would hang)");
     static constexpr int BAR_SCHED = 1;            // named barriers 1..NC: ping-pong
@@ -160,7 +168,7 @@ struct FwdSm90 {
     }
 
     __device__ static __forceinline__ void run(const FcParams& p, const CUtensorMap* tmq, const CUtensorMap* tmk,
-                                               const CUtensorMap* tmv) {
+                                               const CUtensorMap* tmv, const CUtensorMap* tmo) {
         extern __shared__ uint8_t smem_raw[];
         const uint32_t raw = smem_u32(smem_raw);
         const uint32_t sQ = (raw + 1023u) & ~1023u;
@@ -180,9 +188,6 @@ struct FwdSm90 {
         auto sched_empty = [&](int s) { return bars + 16u + 8u * (4 * STAGES + 2 + s); };
         auto sched_val = [&](int s) { return bars + 16u + 8u * (4 * STAGES + 4) + 32u * s; };
         static_assert(16 + 8 * (4 * STAGES + 4) + 64 <= 256, "barrier area");
-        // Causal tiles are unequal: dynamic schedule (p.tile_counter) for d64/d128. No mask, and
-        // d256 (whose TMA thread spills with the scheduler beside it): static (any grid).
-        constexpr bool DYN = CAUSAL && D <= 128;
 
         // ---- persistent static schedule: CTA `cta` takes tiles k*nctas + (k odd ? nctas-1-cta : cta) ----
         const int num_m = (p.sq + BM - 1) / BM;
@@ -516,9 +521,11 @@ struct FwdSm90 {
             vs.advance();
 
             // ================= epilogue =================
-            T* og;
             float* lse_g;
-            out_ptrs(og, lse_g);
+            {
+                T* og_unused;
+                out_ptrs(og_unused, lse_g);
+            }
             float inv[2], lse[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -537,6 +544,11 @@ struct FwdSm90 {
                 }
             }
             // stage O (16-bit) into this warpgroup's 64-row slice of the O (or Q) buffer, 128B-swizzled
+            if (SEP_O) {
+                // the previous tile's TMA store must have read the slice
+                if (t128 == 0) bulk_wait_read();
+                named_sync(BAR_EPI + c, 128);
+            }
 #pragma unroll
             for (int i = 0; i < D / 2; i += 2) {
                 const int col = 8 * (i >> 2) + 2 * tq;
@@ -546,35 +558,41 @@ struct FwdSm90 {
                 const int r = (i >> 1) & 1;
                 *reinterpret_cast<uint32_t*>(gsO + off) = TypeInfo<T>::pack(o[i] * inv[r], o[i + 1] * inv[r]);
             }
+            // One thread stores the slice with TMA (rows >= sq fall outside the map, so they are not
+            // written): against 16-byte stores from every thread +0.8 % over the fa3 grid, +1.5-3 %
+            // at d64/d128 up to 1k (H100, session 7, call G).
+            fence_proxy_async_smem();
             named_sync(BAR_EPI + c, 128);
+            if (t128 == 0) {
+                const int h = (int)fc::ld_shared_b32(sched_val(slot) + 4u);
+                const int bi = (int)fc::ld_shared_b32(sched_val(slot) + 8u);
 #pragma unroll
-            for (int it = 0; it < 64 * CPR / 128; ++it) {
-                const int idx = it * 128 + t128;
-                const int rl = idx / CPR, chk = idx % CPR;
-                const int cb = chk >> 3, ch = chk & 7;
-                const uint32_t off = cb * BM * 128 + slice + rl * 128 + ((ch ^ (rl & 7)) << 4);
-                const uint4 v = *reinterpret_cast<const uint4*>(gsO + off);
-                const int grow = m_block * BM + c * 64 + rl;
-                if (grow < p.sq) *reinterpret_cast<uint4*>(og + (int64_t)grow * p.o_row_stride + chk * 8) = v;
+                for (int cb = 0; cb < DB; ++cb)
+                    tma_store_4d(tmo, (SEP_O ? sO : sQ) + cb * BM * 128 + slice, cb * 64, m_block * BM + c * 64, h, bi);
+                bulk_commit();
+                if (!SEP_O) {
+                    bulk_wait_read();  // O was staged in the Q buffer: free it once read
+                    mbar_arrive(q_empty);
+                }
             }
-            // all smem reads of this warpgroup done (-> release the Q buffer when O was staged in it)
-            named_sync(BAR_EPI + c, 128);
-            if (!SEP_O && t128 == 0) mbar_arrive(q_empty);
             mbar_arrive(sched_empty(slot));
             ++qi;
         }
+        // the CTA's smem must outlive this thread's last TMA store
+        if (t128 == 0) bulk_wait();
     }
 };
 
 }  // namespace fc90
 
-// SYMBOL(p, tm_q, tm_k, tm_v): see the launch contract above. WARPS must be (BLOCK_M/64 + 1) * 4.
+// SYMBOL(p, tm_q, tm_k, tm_v, tm_o): see the launch contract above. WARPS must be (BLOCK_M/64 + 1) * 4.
 #define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG)               \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32, 1)                                           \
         SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,                 \
-               const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {         \
+               const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,           \
+               const __grid_constant__ CUtensorMap tm_o) {                                                  \
         static_assert((WARPS) == ((BLOCK_M) / 64 + 1) * 4, "sm90 fwd: WARPS = (BLOCK_M/64 + 1) * 4");       \
-        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG>::run(p, &tm_q, &tm_k, &tm_v); \
+        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
     }
 // Ping-pong between consumer warpgroups for head_dim <= 128 (measured faster there), off for 256.
 #define FC_SM90_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \

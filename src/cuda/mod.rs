@@ -178,6 +178,23 @@ fn skipped(v: &Variant) -> bool {
     }
 }
 
+/// Whether a causal sm90 problem with `m_blocks` query blocks takes the dynamic tile schedule
+/// (a tile counter and a persistent grid; the kernel side is `DYN` in kernels/sm90/fwd.cuh:
+/// causal d64/d128, and d256 with 64-key tiles). d64/d128 up to 32 query blocks: +1-16 % at
+/// 512-2k, +2-3 % at 4k, but 2-6 % slower than one CTA per tile at 16k (H100, session 3). d256
+/// up to 8 (1k): +7.4 / +8.3 % at 512 / 1k, but -9 % at 2k (session 7, call H), which keeps one
+/// CTA per tile. docs/perf.md has the tables.
+fn sm90_dynamic(v: &Variant, mask: Mask, m_blocks: usize) -> bool {
+    if mask == Mask::None {
+        return false;
+    }
+    match v.head_dim {
+        64 | 128 => m_blocks <= 32,
+        256 => v.block_n == 64 && m_blocks <= 8,
+        _ => false,
+    }
+}
+
 /// `FLASHCORE_SM90_CAUSAL=static`: causal sm90 problems take session 2's grids (no tile
 /// counter) instead of the dynamic schedule. Read once.
 fn causal_static() -> bool {
@@ -550,18 +567,28 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
             let tm_q = enc(qp, p.sq, p.hq, q.1, variant.block_m, "q")?;
             let tm_k = enc(kp, p.sk, p.hkv, k.1, variant.block_n, "k")?;
             let tm_v = enc(vp, p.sk, p.hkv, v.1, variant.block_n, "v")?;
+            // O (contiguous, written by the op): each consumer warpgroup stores its 64 rows.
+            let o_op = tma::Operand {
+                base: op,
+                d: p.d,
+                seq: p.sq,
+                heads: p.hq,
+                batch: p.b,
+                strides: [p.sq * p.hq * p.d, p.hq * p.d, p.d],
+                box_rows: 64,
+            };
+            let tm_o = tma::encode(variant.dtype, &o_op, "o")
+                .map_err(|e| launch::err(&symbol, &shape, e))?;
             let m_blocks = p.sq.div_ceil(variant.block_m as usize);
             let tiles = m_blocks * p.hq * p.b;
             // Persistent grid (one CTA per SM looping over tiles). Equal tiles (no mask) take the
-            // kernel's static round-robin schedule. Causal d64/d128 kernels with up to 32 query
-            // blocks draw their tiles from a zeroed counter, longest first (dynamic schedule,
-            // kernels/sm90/fwd.cuh `DYN`): +1-16 % at 512-2k, +2-3 % at 4k, but 2-6 % slower
-            // than one CTA per tile at 16k (H100, session 3, docs/perf.md). Other causal problems:
+            // kernel's static round-robin schedule. Causal problems on a dynamic-schedule kernel
+            // draw their tiles from a zeroed counter, longest first (`sm90_dynamic`). Other causal problems:
             // persistent up to 8 query blocks, else one CTA per tile, the hardware balancing the
             // unequal tiles. FLASHCORE_SM90_CAUSAL=static turns the dynamic schedule off (an A/B
             // aid). A grid that does not match the kernel's schedule is slower, never wrong.
             let sms = device_info(dev)?.sm_count.max(1);
-            let dynamic = p.mask != Mask::None && p.d <= 128 && m_blocks <= 32 && !causal_static();
+            let dynamic = sm90_dynamic(variant, p.mask, m_blocks) && !causal_static();
             let mut prm = prm;
             let _counter: Option<CudaSlice<i32>>;
             let grid = if dynamic {
@@ -591,9 +618,9 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
                 shared_mem_bytes: smem,
             };
             let mut b = stream.launch_builder(&f);
-            b.arg(&prm).arg(&tm_q).arg(&tm_k).arg(&tm_v);
-            // SAFETY: signature (FcParams, CUtensorMap x3) as in kernels/sm90/fwd.cuh; the maps
-            // describe the live q/k/v buffers whose pointers are in `prm`.
+            b.arg(&prm).arg(&tm_q).arg(&tm_k).arg(&tm_v).arg(&tm_o);
+            // SAFETY: signature (FcParams, CUtensorMap x4) as in kernels/sm90/fwd.cuh; the maps
+            // describe the live q/k/v/o buffers whose pointers are in `prm`.
             unsafe { b.launch(cfg) }.map_err(|e| {
                 launch::err(
                     &symbol,
