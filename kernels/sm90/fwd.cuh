@@ -340,19 +340,23 @@ struct FwdSm90 {
             const int m_block = (int)fc::ld_shared_b32(sched_val(slot));
             ++si;
             if (m_block < 0) break;
-            auto out_ptrs = [&](T*& og, float*& lse_g) {
-                const int h = (int)fc::ld_shared_b32(sched_val(slot) + 4u);
-                const int bi = (int)fc::ld_shared_b32(sched_val(slot) + 8u);
-                og = reinterpret_cast<T*>(p.o) + (int64_t)bi * p.o_batch_stride + (int64_t)h * p.o_head_stride;
-                lse_g = p.lse + ((int64_t)bi * p.hq + h) * p.sq;
+            auto head_batch = [&](int& h, int& bi) {
+                h = (int)fc::ld_shared_b32(sched_val(slot) + 4u);
+                bi = (int)fc::ld_shared_b32(sched_val(slot) + 8u);
+            };
+            auto lse_row0 = [&]() {  // this (head, batch)'s LSE row
+                int h, bi;
+                head_batch(h, bi);
+                return p.lse + ((int64_t)bi * p.hq + h) * p.sq;
             };
             const int NT = (int)fc::ld_shared_b32(sched_val(slot) + 16u);
             const int row0 = m_block * BM + c * 64 + warp * 16 + g;  // rows row0 and row0 + 8
 
             if (NT <= 0) {
-                T* og;
-                float* lse_g;
-                out_ptrs(og, lse_g);
+                int h, bi;
+                head_batch(h, bi);
+                T* og = reinterpret_cast<T*>(p.o) + (int64_t)bi * p.o_batch_stride + (int64_t)h * p.o_head_stride;
+                float* lse_g = lse_row0();
                 // every row of this tile sees no key: O = 0, LSE = -inf (no smem use)
                 if (tq == 0) {
                     if (row0 < p.sq) lse_g[row0] = -INFINITY;
@@ -521,11 +525,7 @@ struct FwdSm90 {
             vs.advance();
 
             // ================= epilogue =================
-            float* lse_g;
-            {
-                T* og_unused;
-                out_ptrs(og_unused, lse_g);
-            }
+            float* lse_g = lse_row0();
             float inv[2], lse[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -564,8 +564,8 @@ struct FwdSm90 {
             fence_proxy_async_smem();
             named_sync(BAR_EPI + c, 128);
             if (t128 == 0) {
-                const int h = (int)fc::ld_shared_b32(sched_val(slot) + 4u);
-                const int bi = (int)fc::ld_shared_b32(sched_val(slot) + 8u);
+                int h, bi;
+                head_batch(h, bi);
 #pragma unroll
                 for (int cb = 0; cb < DB; ++cb)
                     tma_store_4d(tmo, (SEP_O ? sO : sQ) + cb * BM * 128 + slice, cb * 64, m_block * BM + c * 64, h, bi);

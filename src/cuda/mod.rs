@@ -550,35 +550,31 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
                 let s = l.stride();
                 [s[0], s[1], s[2]]
             };
-            let enc =
-                |base: u64, seq: usize, heads: usize, l: &Layout, box_rows: u32, name: &str| {
-                    let op = tma::Operand {
-                        base,
-                        d: p.d,
-                        seq,
-                        heads,
-                        batch: p.b,
-                        strides: strides(l),
-                        box_rows,
-                    };
-                    tma::encode(variant.dtype, &op, name)
-                        .map_err(|e| launch::err(&symbol, &shape, e))
+            // (batch, row, head) strides in elements
+            let enc = |base: u64,
+                       seq: usize,
+                       heads: usize,
+                       strides: [usize; 3],
+                       box_rows: u32,
+                       name: &str| {
+                let op = tma::Operand {
+                    base,
+                    d: p.d,
+                    seq,
+                    heads,
+                    batch: p.b,
+                    strides,
+                    box_rows,
                 };
-            let tm_q = enc(qp, p.sq, p.hq, q.1, variant.block_m, "q")?;
-            let tm_k = enc(kp, p.sk, p.hkv, k.1, variant.block_n, "k")?;
-            let tm_v = enc(vp, p.sk, p.hkv, v.1, variant.block_n, "v")?;
-            // O (contiguous, written by the op): each consumer warpgroup stores its 64 rows.
-            let o_op = tma::Operand {
-                base: op,
-                d: p.d,
-                seq: p.sq,
-                heads: p.hq,
-                batch: p.b,
-                strides: [p.sq * p.hq * p.d, p.hq * p.d, p.d],
-                box_rows: 64,
+                tma::encode(variant.dtype, &op, name).map_err(|e| launch::err(&symbol, &shape, e))
             };
-            let tm_o = tma::encode(variant.dtype, &o_op, "o")
-                .map_err(|e| launch::err(&symbol, &shape, e))?;
+            let tm_q = enc(qp, p.sq, p.hq, strides(q.1), variant.block_m, "q")?;
+            let tm_k = enc(kp, p.sk, p.hkv, strides(k.1), variant.block_n, "k")?;
+            let tm_v = enc(vp, p.sk, p.hkv, strides(v.1), variant.block_n, "v")?;
+            // O (written by the op, strides as in `prm`): each consumer warpgroup stores 64 rows.
+            let o_strides =
+                [prm.o_batch_stride, prm.o_row_stride, prm.o_head_stride].map(|x| x as usize);
+            let tm_o = enc(op, p.sq, p.hq, o_strides, 64, "o")?;
             let m_blocks = p.sq.div_ceil(variant.block_m as usize);
             let tiles = m_blocks * p.hq * p.b;
             // Persistent grid (one CTA per SM looping over tiles). Equal tiles (no mask) take the
