@@ -579,10 +579,11 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
             let tiles = m_blocks * p.hq * p.b;
             // Persistent grid (one CTA per SM looping over tiles). Equal tiles (no mask) take the
             // kernel's static round-robin schedule. Causal problems on a dynamic-schedule kernel
-            // draw their tiles from a zeroed counter, longest first (`sm90_dynamic`). Other causal problems:
-            // persistent up to 8 query blocks, else one CTA per tile, the hardware balancing the
-            // unequal tiles. FLASHCORE_SM90_CAUSAL=static turns the dynamic schedule off (an A/B
-            // aid). A grid that does not match the kernel's schedule is slower, never wrong.
+            // draw their tiles from a zeroed counter, longest first (`sm90_dynamic`). Other
+            // causal problems: persistent up to 8 query blocks, else one CTA per tile, the
+            // hardware balancing the unequal tiles. FLASHCORE_SM90_CAUSAL=static turns the dynamic
+            // schedule off (an A/B aid). A grid that does not match the kernel's schedule is
+            // slower, never wrong.
             let sms = device_info(dev)?.sm_count.max(1);
             let dynamic = sm90_dynamic(variant, p.mask, m_blocks) && !causal_static();
             let mut prm = prm;
