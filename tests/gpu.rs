@@ -319,6 +319,43 @@ fn softmax_scales_and_growing_scores() -> Result<()> {
     Ok(())
 }
 
+/// Scores that jump far above every earlier key tile late in the walk (keys 0..8, the last tile
+/// the kernels visit): q gets +2 on every element and the first 8 keys +`bump`. With bump 10 the
+/// jump is ~230 in exp2 units, past f32's range, so the sm90 kernel's stale-max exponentials
+/// overflow to inf and the scores must be recomputed from shared memory; with bump 1 (~23) they
+/// only grow past the rescale threshold and are rebuilt from their logarithms.
+#[test]
+fn scores_jumping_late() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let mut n = 0;
+    for d in [64, 128, 256] {
+        for mask in [Mask::None, Mask::Causal] {
+            for (bump, dtype) in [(10.0, DType::BF16), (1.0, DType::F16)] {
+                let (sq, sk) = if mask == Mask::None {
+                    (300, 700)
+                } else {
+                    (700, 700)
+                };
+                let (q, k, v) = qkv(1, sq, sk, 4, 2, d, dtype, n % 2 == 1, &dev)?;
+                let q = (q.to_dtype(DType::F32)? + 2.0)?.to_dtype(dtype)?;
+                let bumps: Vec<f32> = (0..sk).map(|j| if j < 8 { bump } else { 0.0 }).collect();
+                let bumps = Tensor::from_vec(bumps, (1, sk, 1, 1), &dev)?;
+                let k = k.to_dtype(DType::F32)?.broadcast_add(&bumps)?.to_dtype(dtype)?;
+                let what = format!(
+                    "{dtype:?} sq{sq} sk{sk} h4/2 d{d} {} bump {bump}",
+                    mask_name(mask)
+                );
+                let (e, ne) = check_inputs(&what, &q, &k, &v, mask)?;
+                println!("[OK] {what}: err {e:.2e} (naive {ne:.2e})");
+                n += 1;
+            }
+        }
+    }
+    println!("scores_jumping_late: {n} cases passed");
+    Ok(())
+}
+
 #[test]
 fn unsupported_options_error_clearly() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };

@@ -4,7 +4,8 @@
 // warpgroups (setmaxnreg.inc), each owning 64 query rows. Q is loaded once (TMA, SW128), K and V
 // stream through a STAGES-deep ring of full/empty mbarriers, key tiles are walked from the last
 // (masked) one down to 0. Per consumer: S = Q K^T with SS wgmma (K-major, SW128), online softmax in
-// registers (exp2, scale_log2 folded, lazy O rescale), P packed to 16-bit registers, O += P V with
+// registers (exp2, scale_log2 folded, lazy O rescale; without a mask, key tiles after the first ones
+// skip the row max: `softmax_fast`), P packed to 16-bit registers, O += P V with
 // RS wgmma (V is MN-major in smem, imm-trans-b = 1). Intra-warpgroup overlap: QK^T of tile i is
 // issued before the P V of tile i-1, and the softmax of tile i runs while that P V is in flight (the
 // wait for that P V sits after the loop back-edge, so ptxas cannot hoist it above the softmax: v4).
@@ -79,12 +80,18 @@ template <> struct TypeInfo<__nv_bfloat16> {
         __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<uint32_t*>(&v);
     }
+    static __device__ __forceinline__ float2 unpack(uint32_t v) {
+        return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+    }
 };
 template <> struct TypeInfo<__half> {
     static constexpr bool bf16 = false;
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
         __half2 v = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<uint32_t*>(&v);
+    }
+    static __device__ __forceinline__ float2 unpack(uint32_t v) {
+        return __half22float2(*reinterpret_cast<__half2*>(&v));
     }
 };
 
@@ -127,6 +134,10 @@ struct FwdSm90 {
     // row of the warp moved its reference (a warp vote), not after every key tile: +2.2 % over the
     // fa3 grid (H100, session 6, docs/perf.md).
     static constexpr float RESCALE_LOG2 = 8.f;  // = fc::LAZY_RESCALE_LOG2
+    // softmax_fast on the key tiles after the first ones: no mask only. Same-binary A/B on the
+    // H100 (session 9, call E, bf16, two runs each): d64 +7.5-11 %, d128 +0.1-2.2 %, d256 +0-1 %;
+    // with it on causal tiles too, causal lost 2-7 % at d128 1k-4k and d64 1k-4k (not understood).
+    static constexpr bool FAST = !CAUSAL;
     using QK = Wgmma<BN, BF>;
     using PV = Wgmma<D, BF>;
 
@@ -157,6 +168,21 @@ struct FwdSm90 {
         }
         h = bh % p.hq;
         bi = bh / p.hq;
+    }
+    // Raw score of query row `qr` (of the Q tile) and key row `kr` (of a K stage) from the
+    // 128B-swizzled tiles in shared memory, f32 accumulation (fix_tile's rare path).
+    __device__ static __forceinline__ float score_smem(uint32_t sq_, uint32_t sk_, int qr, int kr) {
+        float acc = 0.f;
+        const uint32_t qa = sq_ + qr * 128, ka = sk_ + kr * 128, qs = (qr & 7) << 4, ks = (kr & 7) << 4;
+#pragma unroll 1
+        for (int w = 0; w < D / 2; ++w) {  // 32-bit words: 2 elements
+            const uint32_t blk = (w >> 5), off = (((w & 31) >> 2) << 4) | ((w & 3) << 2);
+            const float2 x = TypeInfo<T>::unpack(fc::ld_shared_b32(qa + blk * BM * 128 + (off ^ qs)));
+            const float2 y = TypeInfo<T>::unpack(fc::ld_shared_b32(ka + blk * BN * 128 + (off ^ ks)));
+            acc = fmaf(x.x, y.x, acc);
+            acc = fmaf(x.y, y.y, acc);
+        }
+        return acc;
     }
     __device__ static __forceinline__ int n_tiles(const FcParams& p, int m_block) {
         int n_max = (p.sk + BN - 1) / BN;
@@ -204,7 +230,9 @@ struct FwdSm90 {
             for (int s = 0; s < STAGES; ++s) {
                 mbar_init(full_k(s), 1);
                 mbar_init(full_v(s), 1);
-                mbar_init(empty_k(s), NC);
+                // FAST: each consumer warp frees a K stage once it can no longer need it (fix_tile);
+                // else one thread per consumer warpgroup once its Q K^T is complete
+                mbar_init(empty_k(s), FAST ? NC * 4 : NC);
                 mbar_init(empty_v(s), NC);
             }
             for (int s = 0; s < 2; ++s) {
@@ -380,10 +408,13 @@ struct FwdSm90 {
             for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 
             // softmax of one S tile held in s[]: mask, new max, alpha, exponentials, partial row sums.
-            auto softmax = [&](int n, float (&alpha)[2]) {
-                const bool need_mask =
-                    (n * BN + BN > p.sk) || (CAUSAL && n * BN + BN - 1 > m_block * BM + p.sk - p.sq);
-                if (need_mask) {
+            // key tile n needs masking (it is the ragged last one or crosses the causal diagonal);
+            // tiles are walked from the last down, so the masked ones come first
+            auto need_mask = [&](int n) {
+                return (n * BN + BN > p.sk) || (CAUSAL && n * BN + BN - 1 > m_block * BM + p.sk - p.sq);
+            };
+            auto apply_mask = [&](int n) {
+                if (need_mask(n)) {
                     // Keys col < lim[r] are visible to row r (col < sk and, causal, col <= row + sk - sq):
                     // one compare against a constant column offset and one select per element (the
                     // per-element column/row arithmetic cost 3-4 instructions: +1.2-1.4 % at d64
@@ -399,6 +430,9 @@ struct FwdSm90 {
                     for (int i = 0; i < BN / 2; ++i)
                         if (8 * (i >> 2) + (i & 1) >= lim[(i >> 1) & 1]) s[i] = -INFINITY;
                 }
+            };
+            auto softmax = [&](int n, float (&alpha)[2]) {
+                apply_mask(n);
                 float mx[2] = {m_r[0], m_r[1]};
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
@@ -427,6 +461,59 @@ struct FwdSm90 {
                 }
 #pragma unroll
                 for (int r = 0; r < 2; ++r) l_r[r] = l_r[r] * alpha[r] + sum[r];
+            };
+            // Softmax of a key tile after the first ones (`fast`): the exponentials use the rows'
+            // reference max as it stands, without a row max first (that was ~16 % of the loop's
+            // instructions, and the exponentials waited for it). A thread's partial row sum bounds
+            // each of its P, so sums <= 2^RESCALE_LOG2 in every row of the warp mean no reference had
+            // to move: the tile is done. Otherwise (rare: a row's max grew past the threshold) it
+            // returns true and `fix_tile` redoes the tile in finish_pv, where the P registers of the
+            // P V in flight are free. Used once the tile before it was unmasked (every row then has
+            // a reference from at least one whole tile, which makes growth rare).
+            auto softmax_fast = [&](int n, float (&alpha)[2]) -> bool {
+                if (need_mask(n + 1) ||
+                    __any_sync(0xffffffffu, m_r[0] == -INFINITY || m_r[1] == -INFINITY)) {
+                    softmax(n, alpha);
+                    return false;
+                }
+                const float mu[2] = {m_r[0] * sl2, m_r[1] * sl2};
+                float sum[2] = {0.f, 0.f};
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) {
+                    const int r = (i >> 1) & 1;
+                    s[i] = ex2(fmaf(s[i], sl2, -mu[r]));
+                    sum[r] += s[i];
+                }
+                constexpr float LIM = 1u << (int)RESCALE_LOG2;
+                if (__any_sync(0xffffffffu, !(sum[0] <= LIM) || !(sum[1] <= LIM))) return true;
+                alpha[0] = alpha[1] = 1.f;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) l_r[r] += sum[r];
+                return false;
+            };
+            // Redo key tile n whose s[] holds P = 2^(x - mu) from softmax_fast: back to the raw scores
+            // (log2; x - mu >= 128 gave P = inf and is recomputed from Q and K stage `kst` in shared
+            // memory), then `softmax`.
+            auto fix_tile = [&](int n, uint32_t kst, float (&alpha)[2]) {
+                const float mu[2] = {m_r[0] * sl2, m_r[1] * sl2};
+                const float isl2 = 1.f / sl2;
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i)
+                    if (s[i] != INFINITY) s[i] = (lg2(s[i]) + mu[(i >> 1) & 1]) * isl2;
+                uint64_t big = 0;
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i)
+                    if (s[i] == INFINITY) big |= 1ull << i;
+                while (big) {  // one dot product per P = inf (an index loop: one copy of the code)
+                    const int i = __ffsll((long long)big) - 1;
+                    big &= big - 1;
+                    const float v = score_smem(sQ, sK + kst * KV_BYTES, c * 64 + warp * 16 + g + 8 * ((i >> 1) & 1),
+                                               8 * (i >> 2) + 2 * tq + (i & 1));
+#pragma unroll
+                    for (int j = 0; j < BN / 2; ++j)
+                        if (j == i) s[j] = v;
+                }
+                softmax(n, alpha);
             };
             auto convert_p = [&]() {
 #pragma unroll
@@ -467,7 +554,7 @@ struct FwdSm90 {
             sched_arrive(false);
             wg_wait<0>();
             fence_regs(s);
-            if (t128 == 0) mbar_arrive(empty_k(ks.stage));
+            if (FAST ? lane == 0 : t128 == 0) mbar_arrive(empty_k(ks.stage));
             ks.advance();
             float alpha[2];
             softmax(NT - 1, alpha);
@@ -475,14 +562,23 @@ struct FwdSm90 {
             // to registers), then issue S_i = Q K_i^T and O += P_{i-1} V_{i-1}; softmax_i overlaps that
             // P V. The wait for P V sits at the top of the next iteration (after the loop back-edge) so
             // ptxas cannot hoist it above the softmax. ----
-            // Finish the P V in flight (if `release`, free its V stage), rescale O, P to registers.
-            auto finish_pv = [&](bool release) {
+            // Finish the P V in flight (if `release`, free its V stage and the previous key tile's K
+            // stage, which fix_tile may read), finish that key tile's softmax if softmax_fast left it
+            // (`fix`), rescale O, P to registers.
+            bool fix = false;
+            uint32_t kprev = 0;
+            auto finish_pv = [&](bool release, int nprev) {
                 wg_wait<0>();
                 fence_regs(o);
                 fence_regs(pa);
                 if (release) {
                     if (t128 == 0) mbar_arrive(empty_v(vs.stage));
                     vs.advance();
+                }
+                if (fix) {
+                    fix_tile(nprev, kprev, alpha);
+                    if (lane == 0) mbar_arrive(empty_k(kprev));
+                    fix = false;
                 }
                 if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
@@ -492,7 +588,7 @@ struct FwdSm90 {
             };
             for (int i = 1; i < NT; ++i) {
                 const int n = NT - 1 - i;
-                finish_pv(i >= 2);
+                finish_pv(i >= 2, n + 1);
                 mbar_wait(full_k(ks.stage), ks.phase);
                 sched_sync();
                 fence_regs(s);
@@ -507,11 +603,18 @@ struct FwdSm90 {
                 sched_arrive(false);
                 wg_wait<1>();
                 fence_regs(s);
-                if (t128 == 0) mbar_arrive(empty_k(ks.stage));
+                kprev = ks.stage;
                 ks.advance();
-                softmax(n, alpha);
+                if (FAST) {
+                    // free the K stage now, or after fix_tile in the next finish_pv
+                    fix = softmax_fast(n, alpha);
+                    if (!fix && lane == 0) mbar_arrive(empty_k(kprev));
+                } else {
+                    if (t128 == 0) mbar_arrive(empty_k(kprev));
+                    softmax(n, alpha);
+                }
             }
-            finish_pv(NT >= 2);
+            finish_pv(NT >= 2, 0);
             // all Q K^T of this tile are complete: with a separate O buffer, Q can be reloaded now
             if (SEP_O && t128 == 0) mbar_arrive(q_empty);
             // ---- tail: O += P_{T-1} V_{T-1} ----
