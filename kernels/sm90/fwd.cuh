@@ -5,7 +5,7 @@
 // stream through a STAGES-deep ring of full/empty mbarriers, key tiles are walked from the last
 // (masked) one down to 0. Per consumer: S = Q K^T with SS wgmma (K-major, SW128), online softmax in
 // registers (exp2, scale_log2 folded, lazy O rescale; without a mask, key tiles after the first ones
-// skip the row max: `softmax_fast`), P packed to 16-bit registers, O += P V with
+// skip the row max: `softmax_gen`), P packed to 16-bit registers, O += P V with
 // RS wgmma (V is MN-major in smem, imm-trans-b = 1). Intra-warpgroup overlap: QK^T of tile i is
 // issued before the P V of tile i-1, and the softmax of tile i runs while that P V is in flight (the
 // wait for that P V sits after the loop back-edge, so ptxas cannot hoist it above the softmax: v4).
@@ -134,9 +134,10 @@ struct FwdSm90 {
     // row of the warp moved its reference (a warp vote), not after every key tile: +2.2 % over the
     // fa3 grid (H100, session 6, docs/perf.md).
     static constexpr float RESCALE_LOG2 = 8.f;  // = fc::LAZY_RESCALE_LOG2
-    // softmax_fast on the key tiles after the first ones: no mask only. Same-binary A/B on the
-    // H100 (session 9, call E, bf16, two runs each): d64 +7.5-11 %, d128 +0.1-2.2 %, d256 +0-1 %;
-    // with it on causal tiles too, causal lost 2-7 % at d128 1k-4k and d64 1k-4k (not understood).
+    // Fast softmax (no row max, see softmax_gen) on the key tiles after the first ones: no mask
+    // only. Same-binary A/B on the H100 (session 9, call E, bf16, two runs each): d64 +7.5-11 %,
+    // d128 +0.1-2.2 %, d256 +0-1 %; on causal tiles too, causal lost 2-7 % at d64 and d128 1k-4k
+    // (calls E and H; not understood: random scores never take the fix-up path).
     static constexpr bool FAST = !CAUSAL;
     using QK = Wgmma<BN, BF>;
     using PV = Wgmma<D, BF>;
@@ -431,53 +432,41 @@ struct FwdSm90 {
                         if (8 * (i >> 2) + (i & 1) >= lim[(i >> 1) & 1]) s[i] = -INFINITY;
                 }
             };
-            auto softmax = [&](int n, float (&alpha)[2]) {
-                apply_mask(n);
-                float mx[2] = {m_r[0], m_r[1]};
+            // Softmax of key tile n held in s[]. `exact`: mask, new row max, alpha (the lazy rescale
+            // rule below), exponentials, row sums. Otherwise (a key tile after the first ones, see
+            // `fast_ok`) the exponentials use the rows' reference max as it stands, without a row max
+            // first (that was ~16 % of the loop's instructions, and the exponentials waited for it):
+            // a thread's partial row sum bounds each of its P, so sums <= 2^RESCALE_LOG2 in every
+            // row of the warp mean no reference had to move and the tile is done. If not (rare: a
+            // row's max grew past the threshold) it returns true and leaves l alone; `fix_tile`
+            // redoes the tile in finish_pv, where the P registers of the P V in flight are free.
+            // One body for both so that the key loop holds one copy of the exponentials.
+            auto softmax_gen = [&](int n, float (&alpha)[2], bool exact) -> bool {
+                if (exact) {
+                    apply_mask(n);
+                    float mx[2] = {m_r[0], m_r[1]};
 #pragma unroll
-                for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-                float mu[2];
+                    for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                    // The rule of fc::lazy_rescale (common/softmax.cuh, the sm80 kernels), written
-                    // out: through the helper this kernel ran 1.6 % slower at d128 (session 6, call
-                    // K). The first visible key sets the reference (O = 0 and l = 0 until then:
-                    // alpha 1); later only a growth past the threshold moves it. Needs a scale > 0
-                    // (the dispatcher refuses others).
-                    const bool first = m_r[r] == -INFINITY;
-                    const bool upd = first ? mx[r] != -INFINITY : mx[r] * sl2 - m_r[r] * sl2 > RESCALE_LOG2;
-                    alpha[r] = upd && !first ? ex2(m_r[r] * sl2 - mx[r] * sl2) : 1.f;
-                    if (upd) m_r[r] = mx[r];
-                    mu[r] = m_r[r] == -INFINITY ? 0.f : m_r[r] * sl2;
+                    for (int r = 0; r < 2; ++r) {
+                        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                        // The rule of fc::lazy_rescale (common/softmax.cuh, the sm80 kernels), written
+                        // out: through the helper this kernel ran 1.6 % slower at d128 (session 6, call
+                        // K). The first visible key sets the reference (O = 0 and l = 0 until then:
+                        // alpha 1); later only a growth past the threshold moves it. Needs a scale > 0
+                        // (the dispatcher refuses others).
+                        const bool first = m_r[r] == -INFINITY;
+                        const bool upd = first ? mx[r] != -INFINITY : mx[r] * sl2 - m_r[r] * sl2 > RESCALE_LOG2;
+                        alpha[r] = upd && !first ? ex2(m_r[r] * sl2 - mx[r] * sl2) : 1.f;
+                        if (upd) m_r[r] = mx[r];
+                    }
+                } else {
+                    alpha[0] = alpha[1] = 1.f;
                 }
-                float sum[2] = {0.f, 0.f};
+                float mu[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-                for (int i = 0; i < BN / 2; ++i) {
-                    const int r = (i >> 1) & 1;
-                    s[i] = ex2(fmaf(s[i], sl2, -mu[r]));
-                    sum[r] += s[i];
-                }
-#pragma unroll
-                for (int r = 0; r < 2; ++r) l_r[r] = l_r[r] * alpha[r] + sum[r];
-            };
-            // Softmax of a key tile after the first ones (`fast`): the exponentials use the rows'
-            // reference max as it stands, without a row max first (that was ~16 % of the loop's
-            // instructions, and the exponentials waited for it). A thread's partial row sum bounds
-            // each of its P, so sums <= 2^RESCALE_LOG2 in every row of the warp mean no reference had
-            // to move: the tile is done. Otherwise (rare: a row's max grew past the threshold) it
-            // returns true and `fix_tile` redoes the tile in finish_pv, where the P registers of the
-            // P V in flight are free. Used once the tile before it was unmasked (every row then has
-            // a reference from at least one whole tile, which makes growth rare).
-            auto softmax_fast = [&](int n, float (&alpha)[2]) -> bool {
-                if (need_mask(n + 1) ||
-                    __any_sync(0xffffffffu, m_r[0] == -INFINITY || m_r[1] == -INFINITY)) {
-                    softmax(n, alpha);
-                    return false;
-                }
-                const float mu[2] = {m_r[0] * sl2, m_r[1] * sl2};
-                float sum[2] = {0.f, 0.f};
+                for (int r = 0; r < 2; ++r) mu[r] = m_r[r] == -INFINITY ? 0.f : m_r[r] * sl2;
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i) {
                     const int r = (i >> 1) & 1;
@@ -485,13 +474,19 @@ struct FwdSm90 {
                     sum[r] += s[i];
                 }
                 constexpr float LIM = 1u << (int)RESCALE_LOG2;
-                if (__any_sync(0xffffffffu, !(sum[0] <= LIM) || !(sum[1] <= LIM))) return true;
-                alpha[0] = alpha[1] = 1.f;
+                if (!exact && __any_sync(0xffffffffu, !(sum[0] <= LIM) || !(sum[1] <= LIM))) return true;
 #pragma unroll
-                for (int r = 0; r < 2; ++r) l_r[r] += sum[r];
+                for (int r = 0; r < 2; ++r) l_r[r] = l_r[r] * alpha[r] + sum[r];
                 return false;
             };
-            // Redo key tile n whose s[] holds P = 2^(x - mu) from softmax_fast: back to the raw scores
+            auto softmax = [&](int n, float (&alpha)[2]) { softmax_gen(n, alpha, true); };
+            // Key tile n may skip the row max once the tile before it was unmasked: every row then
+            // has a reference from at least one whole tile, which makes growth rare.
+            auto fast_ok = [&](int n) {
+                return FAST && !need_mask(n + 1) &&
+                       !__any_sync(0xffffffffu, m_r[0] == -INFINITY || m_r[1] == -INFINITY);
+            };
+            // Redo key tile n whose s[] holds P = 2^(x - mu) from a fast softmax_gen: back to the raw scores
             // (log2; x - mu >= 128 gave P = inf and is recomputed from Q and K stage `kst` in shared
             // memory), then `softmax`.
             auto fix_tile = [&](int n, uint32_t kst, float (&alpha)[2]) {
@@ -563,7 +558,7 @@ struct FwdSm90 {
             // P V. The wait for P V sits at the top of the next iteration (after the loop back-edge) so
             // ptxas cannot hoist it above the softmax. ----
             // Finish the P V in flight (if `release`, free its V stage and the previous key tile's K
-            // stage, which fix_tile may read), finish that key tile's softmax if softmax_fast left it
+            // stage, which fix_tile may read), finish that key tile's softmax if softmax_gen left it
             // (`fix`), rescale O, P to registers.
             bool fix = false;
             uint32_t kprev = 0;
@@ -607,7 +602,12 @@ struct FwdSm90 {
                 ks.advance();
                 if (FAST) {
                     // free the K stage now, or after fix_tile in the next finish_pv
-                    fix = softmax_fast(n, alpha);
+                    // d64: a specialised copy for each case (one runtime-flagged body: -0.2 to -3.3 %
+                    // at d64, +1-3 % at d128 non-causal; session 9, call H)
+                    if (D == 64)
+                        fix = fast_ok(n) ? softmax_gen(n, alpha, false) : softmax_gen(n, alpha, true);
+                    else
+                        fix = softmax_gen(n, alpha, !fast_ok(n));
                     if (!fix && lane == 0) mbar_arrive(empty_k(kprev));
                 } else {
                     if (t128 == 0) mbar_arrive(empty_k(kprev));
