@@ -341,7 +341,10 @@ fn scores_jumping_late() -> Result<()> {
                 let q = (q.to_dtype(DType::F32)? + 2.0)?.to_dtype(dtype)?;
                 let bumps: Vec<f32> = (0..sk).map(|j| if j < 8 { bump } else { 0.0 }).collect();
                 let bumps = Tensor::from_vec(bumps, (1, sk, 1, 1), &dev)?;
-                let k = k.to_dtype(DType::F32)?.broadcast_add(&bumps)?.to_dtype(dtype)?;
+                let k = k
+                    .to_dtype(DType::F32)?
+                    .broadcast_add(&bumps)?
+                    .to_dtype(dtype)?;
                 let what = format!(
                     "{dtype:?} sq{sq} sk{sk} h4/2 d{d} {} bump {bump}",
                     mask_name(mask)

@@ -136,8 +136,9 @@ struct FwdSm90 {
     static constexpr float RESCALE_LOG2 = 8.f;  // = fc::LAZY_RESCALE_LOG2
     // Fast softmax (no row max, see softmax_gen) on the key tiles after the first ones: no mask
     // only. Same-binary A/B on the H100 (session 9, call E, bf16, two runs each): d64 +7.5-11 %,
-    // d128 +0.1-2.2 %, d256 +0-1 %; on causal tiles too, causal lost 2-7 % at d64 and d128 1k-4k
-    // (calls E and H; not understood: random scores never take the fix-up path).
+    // d128 +0.1-2.2 %, d256 +0-1 %; on causal tiles too, causal lost 3-7 % at d64 and d128 1k-4k
+    // (calls E and H), not with K freed by one thread per warpgroup (call B, without the P = inf
+    // recompute that needs the per-warp release): see docs/perf.md, "Session 9".
     static constexpr bool FAST = !CAUSAL;
     using QK = Wgmma<BN, BF>;
     using PV = Wgmma<D, BF>;
@@ -603,7 +604,7 @@ struct FwdSm90 {
                 if (FAST) {
                     // free the K stage now, or after fix_tile in the next finish_pv
                     // d64: a specialised copy for each case (one runtime-flagged body: -0.2 to -3.3 %
-                    // at d64, +1-3 % at d128 non-causal; session 9, call H)
+                    // at d64, -0.3 to +3.4 % at d128 non-causal; session 9, call H)
                     if (D == 64)
                         fix = fast_ok(n) ? softmax_gen(n, alpha, false) : softmax_gen(n, alpha, true);
                     else
