@@ -487,9 +487,9 @@ struct FwdSm90 {
                 return FAST && !need_mask(n + 1) &&
                        !__any_sync(0xffffffffu, m_r[0] == -INFINITY || m_r[1] == -INFINITY);
             };
-            // Redo key tile n whose s[] holds P = 2^(x - mu) from a fast softmax_gen: back to the raw scores
-            // (log2; x - mu >= 128 gave P = inf and is recomputed from Q and K stage `kst` in shared
-            // memory), then `softmax`.
+            // Redo key tile n whose s[] holds P = 2^(x - mu) from a fast softmax_gen: back to the raw
+            // scores (log2; x - mu >= 128 gave P = inf and is recomputed from Q and K stage `kst` in
+            // shared memory), then `softmax`.
             auto fix_tile = [&](int n, uint32_t kst, float (&alpha)[2]) {
                 const float mu[2] = {m_r[0] * sl2, m_r[1] * sl2};
                 const float isl2 = 1.f / sl2;
@@ -558,9 +558,9 @@ struct FwdSm90 {
             // to registers), then issue S_i = Q K_i^T and O += P_{i-1} V_{i-1}; softmax_i overlaps that
             // P V. The wait for P V sits at the top of the next iteration (after the loop back-edge) so
             // ptxas cannot hoist it above the softmax. ----
-            // Finish the P V in flight (if `release`, free its V stage and the previous key tile's K
-            // stage, which fix_tile may read), finish that key tile's softmax if softmax_gen left it
-            // (`fix`), rescale O, P to registers.
+            // Finish the P V in flight (if `release`, free its V stage), finish the previous key
+            // tile's softmax if softmax_gen left it (`fix`: fix_tile reads that tile's K stage, so
+            // each warp frees the stage after it), rescale O, P to registers.
             bool fix = false;
             uint32_t kprev = 0;
             auto finish_pv = [&](bool release, int nprev) {

@@ -130,12 +130,6 @@ __device__ __forceinline__ float lg2(float x) {
     return y;
 }
 
-__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-    return v;
-}
-
 // ---- pipeline ring state ------------------------------------------------------------------------
 // Consumers wait full[stage] with parity `phase`; producers wait empty[stage] with parity phase ^ 1
 // (a fresh barrier passes a parity-1 wait immediately).
