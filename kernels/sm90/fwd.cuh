@@ -136,9 +136,10 @@ struct FwdSm90 {
     static constexpr float RESCALE_LOG2 = 8.f;  // = fc::LAZY_RESCALE_LOG2
     // Fast softmax (no row max, see softmax_gen) on the key tiles after the first ones: no mask
     // only. Same-binary A/B on the H100 (session 9, call E, bf16, two runs each): d64 +7.5-11 %,
-    // d128 +0.1-2.2 %, d256 +0-1 %; on causal tiles too, causal lost 3-7 % at d64 and d128 1k-4k
-    // (calls E and H), not with K freed by one thread per warpgroup (call B, without the P = inf
-    // recompute that needs the per-warp release): see docs/perf.md, "Session 9".
+    // d128 +0.1-2.2 %, d256 +0-1 %. On causal tiles too it lost 3-7 % at d64 and d128 1k-4k (calls
+    // E and H), and still 0-3 % with K freed by one thread per warpgroup and the P = inf scores
+    // recomputed from global memory (session 10, call A; that recompute itself cost d64 non-causal
+    // 1.4-4.3 % through register pressure in the key loop): docs/perf.md, "Session 9" and "Session 10".
     static constexpr bool FAST = !CAUSAL;
     using QK = Wgmma<BN, BF>;
     using PV = Wgmma<D, BF>;
@@ -227,7 +228,8 @@ struct FwdSm90 {
 
         if (tid == 0) {
             mbar_init(bar_q, 1);
-            mbar_init(q_empty, NC);
+            // with a separate O buffer and FAST, each consumer warp frees Q after its last fix_tile
+            mbar_init(q_empty, SEP_O && FAST ? NC * 4 : NC);
 #pragma unroll
             for (int s = 0; s < STAGES; ++s) {
                 mbar_init(full_k(s), 1);
@@ -559,8 +561,9 @@ struct FwdSm90 {
             // P V. The wait for P V sits at the top of the next iteration (after the loop back-edge) so
             // ptxas cannot hoist it above the softmax. ----
             // Finish the P V in flight (if `release`, free its V stage), finish the previous key
-            // tile's softmax if softmax_gen left it (`fix`: fix_tile reads that tile's K stage, so
-            // each warp frees the stage after it), rescale O, P to registers.
+            // tile's softmax if softmax_gen left it (`fix`: fix_tile reads Q and that tile's K stage,
+            // so each warp frees the K stage after it, and Q after the last finish_pv), rescale O,
+            // P to registers.
             bool fix = false;
             uint32_t kprev = 0;
             auto finish_pv = [&](bool release, int nprev) {
@@ -617,7 +620,7 @@ struct FwdSm90 {
             }
             finish_pv(NT >= 2, 0);
             // all Q K^T of this tile are complete: with a separate O buffer, Q can be reloaded now
-            if (SEP_O && t128 == 0) mbar_arrive(q_empty);
+            if (SEP_O && (FAST ? lane == 0 : t128 == 0)) mbar_arrive(q_empty);
             // ---- tail: O += P_{T-1} V_{T-1} ----
             mbar_wait(full_v(vs.stage), vs.phase);
             sched_sync();
