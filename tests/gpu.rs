@@ -344,7 +344,8 @@ fn scores_jumping_late() -> Result<()> {
                 (1.0, DType::F16, small),
                 (10.0, DType::BF16, (2, 1100, 1000, 16, 4)),
             ] {
-                let (q, k, v) = qkv(b, sq, sk, hq, hkv, d, dtype, n % 2 == 1, &dev)?;
+                let strided = n % 2 == 1;
+                let (q, k, v) = qkv(b, sq, sk, hq, hkv, d, dtype, strided, &dev)?;
                 let q = (q.to_dtype(DType::F32)? + 2.0)?.to_dtype(dtype)?;
                 let bumps: Vec<f32> = (0..sk).map(|j| if j < 8 { bump } else { 0.0 }).collect();
                 let bumps = Tensor::from_vec(bumps, (1, sk, 1, 1), &dev)?;
@@ -352,8 +353,9 @@ fn scores_jumping_late() -> Result<()> {
                     .to_dtype(DType::F32)?
                     .broadcast_add(&bumps)?
                     .to_dtype(dtype)?;
-                // every other case as strided views again (the recompute reads Q and K by stride)
-                let (q, k) = if n % 2 == 1 {
+                // the bumps above made q and k contiguous: every other case as strided views again
+                // (the kernels' tensor maps carry the strides)
+                let (q, k) = if strided {
                     let pad = Tensor::zeros((b, sq, 3, d), dtype, &dev)?;
                     let q = Tensor::cat(&[&q, &pad], 2)?.narrow(2, 0, hq)?;
                     (q, k.transpose(1, 2)?.contiguous()?.transpose(1, 2)?)
@@ -363,7 +365,7 @@ fn scores_jumping_late() -> Result<()> {
                 let what = format!(
                     "{dtype:?} b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d} {} bump {bump}{}",
                     mask_name(mask),
-                    if n % 2 == 1 { " strided" } else { "" }
+                    if strided { " strided" } else { "" }
                 );
                 let (e, ne) = check_inputs(&what, &q, &k, &v, mask)?;
                 println!("[OK] {what}: err {e:.2e} (naive {ne:.2e})");
