@@ -266,12 +266,13 @@ const fn sm90_d64_short(dtype: KDType) -> Variant {
     sm90_staged(dtype, 64, KMask::None, 256, 64, 1024, 4)
 }
 
-/// Causal d64 up to 2k query rows: 128-row tiles. With 192-row ones the causal grid computes
+/// Causal d64 up to 1k query rows: 128-row tiles. With 192-row ones the causal grid computes
 /// 1.7x / 1.5x / 1.18x / 1.12x the useful work at 512 / 1k / 2k / 4k (128 rows: 1.25x / 1.12x /
-/// 1.06x / 1.03x). Same-call A/B on the H100 (session 3, docs/perf.md): +13 % / +16 % / +1 % /
-/// -2 % at 512 / 1k / 2k / 4k, so the 192-row tile keeps 4k and up.
+/// 1.06x / 1.03x). Same-call A/B on the H100 (session 3, docs/perf.md): 128 rows +13 % / +16 % /
+/// +1 % / -2 % at 512 / 1k / 2k / 4k. On today's kernel the 192-row tile wins 2k: +2.5 % in the
+/// same call (session 11, call B, bf16, two runs each), so 128 rows keep <= 1k.
 const fn sm90_d64_causal_short(dtype: KDType) -> Variant {
-    sm90_tile(dtype, 64, KMask::Causal, 128, 128, 2048)
+    sm90_tile(dtype, 64, KMask::Causal, 128, 128, 1024)
 }
 
 /// Non-causal d128 up to 1k query rows: 128-key tiles; longer problems take 128x160 (`sm90`).

@@ -67,8 +67,8 @@ fn every_class_serves_every_seq_len() {
         }
     }
     let class = ("sm90", KKind::Fwd, KDType::Bf16, 64, KMask::Causal);
-    let short = pick_sq(class, SMEM_SM90, 2048).unwrap();
-    let long = pick_sq(class, SMEM_SM90, 2049).unwrap();
+    let short = pick_sq(class, SMEM_SM90, 1024).unwrap();
+    let long = pick_sq(class, SMEM_SM90, 1025).unwrap();
     assert_eq!((short.block_m, long.block_m), (128, 192));
     for dtype in [KDType::Bf16, KDType::F16] {
         // d64 non-causal: four consumer warpgroups on 256x64 with a 4-deep K/V ring up to 1k
