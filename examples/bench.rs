@@ -54,6 +54,9 @@ struct Args {
     /// the clock the GPU holds under sustained load (an H100 sits at its power cap then).
     #[arg(long, default_value_t = 0.0)]
     heat: f64,
+    /// Softcap every problem's scores: `c * tanh(s / c)` (Gemma 2 uses 50).
+    #[arg(long)]
+    softcap: Option<f32>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -348,6 +351,7 @@ fn main() -> Result<()> {
         }
         let params = AttnParams {
             mask: if p.causal { Mask::Causal } else { Mask::None },
+            softcap: args.softcap,
             ..Default::default()
         };
         for &backend in &backends {
@@ -388,8 +392,8 @@ fn main() -> Result<()> {
             let gbps = p.bytes(dtype.size_in_bytes()) / us / 1e3;
             if args.json {
                 println!(
-                    "{{\"backend\":\"{backend}\",\"arch\":\"{arch}\",\"dtype\":\"{}\",\"b\":{},\"hq\":{},\"hkv\":{},\"sq\":{},\"sk\":{},\"d\":{},\"causal\":{},\"us\":{},\"tflops\":{},\"gbps\":{},\"max_err\":{},\"timing\":\"{}\",\"status\":\"{status}\"}}",
-                    args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d, p.causal,
+                    "{{\"backend\":\"{backend}\",\"arch\":\"{arch}\",\"dtype\":\"{}\",\"b\":{},\"hq\":{},\"hkv\":{},\"sq\":{},\"sk\":{},\"d\":{},\"causal\":{},\"softcap\":{},\"us\":{},\"tflops\":{},\"gbps\":{},\"max_err\":{},\"timing\":\"{}\",\"status\":\"{status}\"}}",
+                    args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d, p.causal, args.softcap.unwrap_or(0.0),
                     json_num(us), json_num(tflops), json_num(gbps), err.map_or("null".into(), json_num),
                     args.timing
                 );
@@ -401,8 +405,9 @@ fn main() -> Result<()> {
                 };
                 let e = err.map_or(String::new(), |e| format!("  max_err {e:.2e}"));
                 println!(
-                    "[{status}] {backend:<9} {arch:<6} {} b{} h{}/{} s{}/{} d{}{} : {us:9.1} us {perf}{e}",
-                    args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d, if p.causal { " causal" } else { "" }
+                    "[{status}] {backend:<9} {arch:<6} {} b{} h{}/{} s{}/{} d{}{}{} : {us:9.1} us {perf}{e}",
+                    args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d, if p.causal { " causal" } else { "" },
+                    args.softcap.map_or(String::new(), |c| format!(" softcap {c}"))
                 );
             }
         }

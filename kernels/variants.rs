@@ -89,6 +89,11 @@ pub struct Variant {
     /// warps share 2 x 16 query rows, split the keys of S and the columns of O, and swap P
     /// through shared memory.
     pub warp_pairs: bool,
+    /// A softcap twin (symbol suffix `_cap`): the dispatcher gives it the problems with a softcap
+    /// and only those (`admits_softcap`). The sm90 twins are the kernel compiled with softcap
+    /// (`FC_SM90_FWD_CAP`); sm80 kernels carry a softcap body anyway (`has_cap_body`), so an sm80
+    /// twin is a tile added for a class whose preferred tile has none.
+    pub softcap: bool,
 }
 
 impl Variant {
@@ -102,7 +107,7 @@ impl Variant {
             String::new()
         };
         format!(
-            "fc_{}_{}_{}_d{}_{}_{}x{}{}{stages}",
+            "fc_{}_{}_{}_d{}_{}_{}x{}{}{stages}{}",
             self.family,
             self.kind.name(),
             self.dtype.name(),
@@ -110,15 +115,33 @@ impl Variant {
             self.mask.name(),
             self.block_m,
             self.block_n,
-            if self.warp_pairs { "p" } else { "" }
+            if self.warp_pairs { "p" } else { "" },
+            if self.softcap { "_cap" } else { "" }
         )
     }
     /// The instantiation macro's suffix in the family's `<kind>.cuh` (`FC_SM80_FWD_PAIRS`).
     pub const fn macro_suffix(&self) -> &'static str {
         if self.warp_pairs {
             "_PAIRS"
+        } else if self.softcap && self.is_family("sm90") {
+            "_CAP"
         } else {
             ""
+        }
+    }
+    /// Whether the kernel computes softcap (p.softcap > 0) besides plain scores: the sm80 kernels
+    /// but the d128 128x48 forward tile (`fc_sm80::fwd_has_cap_body`, kernels/sm80/fwd.cuh; the
+    /// split-KV decode kernels branch per key tile). sm90 kernels: no, their twins only.
+    pub const fn has_cap_body(&self) -> bool {
+        self.is_family("sm80")
+            && !(matches!(self.kind, KKind::Fwd) && self.head_dim == 128 && self.block_n == 48)
+    }
+    /// Whether this variant takes a problem with (`cap`) or without a softcap.
+    pub const fn admits_softcap(&self, cap: bool) -> bool {
+        if self.softcap {
+            cap
+        } else {
+            !cap || self.has_cap_body()
         }
     }
     pub const fn threads(&self) -> u32 {
@@ -206,7 +229,7 @@ const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         (128, _) => (128, 32, 4, 2),
         _ => (128, 64, 8, 1),
     };
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false }
 }
 
 const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -214,14 +237,14 @@ const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // stage, 226 KB (H100 / sm_90 only). Per 128-key tile a warp reads 88 KB of smem for 32 x 128
     // outputs where the 128x64 tile's warps read 144 KB for 16 x 256. Forced sm80 on the H100,
     // bf16 8 x 8 heads x 2k non-causal: 355 TFLOPS against 306 (session 4, docs/perf.md).
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false }
 }
 
 const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // d256 for GPUs with 99 KB of smem per block (sm_86/89): 64x32, 4 warps, 2 stages = 96 KB.
     // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100 (session 3, docs/perf.md),
     // where the 128 KB tile above runs 1.04-1.08x.
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false }
 }
 
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -231,7 +254,7 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         256 => (32, 32, 2, 2),
         _ => (64, 64, 4, 2),
     };
-    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false }
+    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false }
 }
 
 const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -251,9 +274,16 @@ const fn sm90_tile(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, bloc
     sm90_staged(dtype, head_dim, mask, block_m, block_n, max_sq, 2)
 }
 
+/// The softcap twin of `v` (`Variant::softcap`). sm90: d256 only (Gemma 2's head dim; with
+/// a softcap body the d64/d128 kernels spilled 8-152 B, so softcap runs there on the sm80 family).
+/// sm80: d128 without a mask on the causal tile, 128x32 (the 128x48 tile has no softcap body).
+const fn cap(v: Variant) -> Variant {
+    Variant { softcap: true, ..v }
+}
+
 const fn sm90_staged(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, block_n: u32, max_sq: u32, stages: u32) -> Variant {
     let warps = (block_m / 64 + 1) * 4;
-    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false }
+    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false, softcap: false }
 }
 
 /// Non-causal d64 up to 1k query rows: 256x64 tiles, four consumer warpgroups, a 4-deep K/V ring
@@ -316,8 +346,12 @@ pub const VARIANTS: &[Variant] = &[
     sm90(KDType::Bf16, 128, KMask::Causal),
     sm90_d256_short(KDType::Bf16, KMask::None),
     sm90(KDType::Bf16, 256, KMask::None),
+    cap(sm90_d256_short(KDType::Bf16, KMask::None)),
+    cap(sm90(KDType::Bf16, 256, KMask::None)),
     sm90_d256_short(KDType::Bf16, KMask::Causal),
     sm90(KDType::Bf16, 256, KMask::Causal),
+    cap(sm90_d256_short(KDType::Bf16, KMask::Causal)),
+    cap(sm90(KDType::Bf16, 256, KMask::Causal)),
     sm90_d64_short(KDType::F16),
     sm90(KDType::F16, 64, KMask::None),
     sm90_d64_causal_short(KDType::F16),
@@ -327,12 +361,17 @@ pub const VARIANTS: &[Variant] = &[
     sm90(KDType::F16, 128, KMask::Causal),
     sm90_d256_short(KDType::F16, KMask::None),
     sm90(KDType::F16, 256, KMask::None),
+    cap(sm90_d256_short(KDType::F16, KMask::None)),
+    cap(sm90(KDType::F16, 256, KMask::None)),
     sm90_d256_short(KDType::F16, KMask::Causal),
     sm90(KDType::F16, 256, KMask::Causal),
+    cap(sm90_d256_short(KDType::F16, KMask::Causal)),
+    cap(sm90(KDType::F16, 256, KMask::Causal)),
     sm80(KDType::Bf16, 64, KMask::None),
     sm80(KDType::Bf16, 64, KMask::Causal),
     sm80(KDType::Bf16, 64, KMask::Local),
     sm80(KDType::Bf16, 128, KMask::None),
+    cap(Variant { block_n: 32, ..sm80(KDType::Bf16, 128, KMask::None) }),
     sm80(KDType::Bf16, 128, KMask::Causal),
     sm80(KDType::Bf16, 128, KMask::Local),
     sm80_pairs(KDType::Bf16, 256, KMask::None),
@@ -348,6 +387,7 @@ pub const VARIANTS: &[Variant] = &[
     sm80(KDType::F16, 64, KMask::Causal),
     sm80(KDType::F16, 64, KMask::Local),
     sm80(KDType::F16, 128, KMask::None),
+    cap(Variant { block_n: 32, ..sm80(KDType::F16, 128, KMask::None) }),
     sm80(KDType::F16, 128, KMask::Causal),
     sm80(KDType::F16, 128, KMask::Local),
     sm80_pairs(KDType::F16, 256, KMask::None),

@@ -25,11 +25,12 @@ fn symbols_are_unique() {
 }
 
 /// What the dispatcher does (src/cuda/mod.rs `choose`): the first entry of a class that fits the
-/// smem and admits seq_q.
-fn pick_sq(
+/// smem and admits seq_q and the problem's softcap choice.
+fn pick_cap(
     (family, kind, dtype, d, mask): (&str, KKind, KDType, u32, KMask),
     smem: u32,
     sq: u32,
+    cap: bool,
 ) -> Option<&'static Variant> {
     VARIANTS.iter().find(|v| {
         v.family == family
@@ -39,7 +40,16 @@ fn pick_sq(
             && v.mask == mask
             && v.smem_bytes() <= smem
             && sq <= v.max_sq
+            && v.admits_softcap(cap)
     })
+}
+
+fn pick_sq(
+    class: (&str, KKind, KDType, u32, KMask),
+    smem: u32,
+    sq: u32,
+) -> Option<&'static Variant> {
+    pick_cap(class, smem, sq, false)
 }
 
 fn pick(
@@ -194,6 +204,62 @@ fn sm80_d128_tiles_per_mask() {
             assert_eq!(tile(KMask::Causal), (128, 32, 4, 2, 64 * 1024));
             assert_eq!(tile(KMask::Local), (64, 64, 4, 2, 80 * 1024));
         }
+    }
+}
+
+/// Softcap: every sm80 class (forward and decode, every smem budget, every seq_q) has a kernel
+/// that computes it, and the softcap twins serve softcap problems only. d128 without a mask takes
+/// the 128x32 twin (the 128x48 tile has no softcap body); sm90 d256 takes its `_cap` twins, and
+/// sm90 d64/d128 have none (those problems run on the sm80 family).
+#[test]
+fn softcap_has_a_kernel_everywhere() {
+    for dtype in [KDType::Bf16, KDType::F16] {
+        for d in [64, 128, 256] {
+            for mask in [KMask::None, KMask::Causal, KMask::Local] {
+                for kind in [KKind::Fwd, KKind::Decode] {
+                    for smem in [SMEM_SM86, SMEM_SM80, SMEM_SM90] {
+                        for sq in [1, 1024, 1025, 2049, 1 << 20] {
+                            let class = ("sm80", kind, dtype, d, mask);
+                            let v = pick_cap(class, smem, sq, true).unwrap_or_else(|| {
+                                panic!("no sm80 softcap kernel: {class:?} smem {smem} sq {sq}")
+                            });
+                            assert!(v.has_cap_body() || v.softcap, "{}", v.symbol());
+                            let plain = pick_cap(class, smem, sq, false).unwrap();
+                            assert!(!plain.softcap, "{}", plain.symbol());
+                        }
+                    }
+                }
+            }
+            for mask in [KMask::None, KMask::Causal] {
+                let class = ("sm90", KKind::Fwd, dtype, d, mask);
+                for sq in [1024, 2049] {
+                    let capped = pick_cap(class, SMEM_SM90, sq, true);
+                    let plain = pick_cap(class, SMEM_SM90, sq, false).unwrap();
+                    assert!(
+                        !plain.softcap && !plain.has_cap_body(),
+                        "{}",
+                        plain.symbol()
+                    );
+                    if d == 256 {
+                        let c = capped.unwrap();
+                        assert!(c.softcap && c.symbol().ends_with("_cap"), "{}", c.symbol());
+                        assert_eq!((c.block_m, c.block_n), (plain.block_m, plain.block_n));
+                    } else {
+                        assert!(capped.is_none(), "{:?}", capped.map(|v| v.symbol()));
+                    }
+                }
+            }
+        }
+        let class = ("sm80", KKind::Fwd, dtype, 128, KMask::None);
+        let v = pick_cap(class, SMEM_SM86, 4096, true).unwrap();
+        assert!(v.symbol().ends_with("_128x32_cap"), "{}", v.symbol());
+    }
+    for v in VARIANTS.iter().filter(|v| v.softcap) {
+        assert!(
+            v.admits_softcap(true) && !v.admits_softcap(false),
+            "{}",
+            v.symbol()
+        );
     }
 }
 

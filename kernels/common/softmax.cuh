@@ -36,6 +36,20 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x;
 }
 
+// Softcap (Gemma 2 style, p.softcap = c > 0): the score scale * q.k becomes c * tanh(scale * q.k / c).
+// The kernels keep t = tanh(q.k * (scale / c)) in place of the raw score, so the kept scores'
+// unit is c instead of scale: exp2 factor c * log2(e), LSE = m * c + ln(l). tanh through one
+// exp2 and one fast division: 1 - 2 / (1 + e^2x) (+-1 at +-inf, absolute error ~1e-7, i.e. ~c
+// * 1e-7 on the score; tanh.approx's 2^-11 relative error would be c * 5e-4 there).
+__device__ __forceinline__ float softcap_tanh(float x) {
+    return 1.f - __fdividef(2.f, 1.f + exp2_approx(x * 2.8853900817779268f));
+}
+// The unit of the kept scores (LSE factor) and its exp2 factor, with or without softcap.
+__device__ __forceinline__ float score_unit(float scale, float softcap) { return softcap > 0.f ? softcap : scale; }
+__device__ __forceinline__ float score_unit_log2(float scale_log2, float softcap) {
+    return softcap > 0.f ? softcap * 1.4426950408889634f : scale_log2;
+}
+
 // Row max in exp2 units, with the empty-row guard (m = -inf -> 0).
 __device__ __forceinline__ float max_scaled(float m, float scale_log2) {
     return m == FC_NEG_INF ? 0.f : m * scale_log2;

@@ -60,7 +60,7 @@
 //   no-ops (and they are compiled out for sm_8x).
 //   Requirements: q/k/v/o base pointers 16-byte aligned, all row/head/batch strides multiples of
 //   8 elements, last dim contiguous; hq = h_ratio * hkv; the split kernel needs p.scale,
-//   p.scale_log2, p.window_*; p.softcap must be 0 and p.alibi_slopes null (not implemented here).
+//   p.scale_log2, p.window_*; p.softcap > 0 caps the scores (fc::softcap_tanh); p.alibi_slopes must be null (not implemented here).
 //   Empty rows (no visible key, e.g. causal sq > sk): O = 0, LSE = -inf.
 //
 // num_splits heuristic: fc_decode_num_splits() at the bottom of this file (host, pure).
@@ -70,6 +70,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 #include "common/params.h"
+#include "common/softmax.cuh"
 
 namespace fc_decode {
 
@@ -326,7 +327,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_run[2] = {0.f, 0.f};
-    const float sl2 = p.scale_log2;
+    const float sl2 = fc::score_unit_log2(p.scale_log2, p.softcap);
 
     // ---- main loop over this split's tiles
     for (int t = t_begin; t < t_end; ++t) {
@@ -363,6 +364,17 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 ldsm_x4(sK_u + 2 * swz<D>(key0 + k_row, 2 * kk + k_chk), b0, b1, b2, b3);
                 Ops<T>::mma(s[0], a, b0, b1);
                 Ops<T>::mma(s[1], a, b2, b3);
+            }
+            if (p.softcap > 0.f) {  // before the mask, as in fwd.cuh softcap_tile
+                // pre recomputed from the parameters here (a volatile copy keeps it from being
+                // hoisted and held across the key loop: d64 causal spilled 4 B on sm_80)
+                float c = p.softcap;
+                asm volatile("mov.b32 %0, %0;" : "+f"(c));
+                const float pre = __fdividef(p.scale, c);
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[n][e] = fc::softcap_tanh(s[n][e] * pre);
             }
             if (need_mask) {
                 const int kb = t * BN + key0 + 2 * t4;
@@ -439,7 +451,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
     __syncthreads();
 
-    const float scale = p.scale;
+    const float scale = fc::score_unit(p.scale, p.softcap);
     const int B = p.b;
     for (int item = tid; item < rows_here * CPR; item += THREADS) {
         const int rl = item / CPR, ch = item - rl * CPR;

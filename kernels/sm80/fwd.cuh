@@ -20,7 +20,8 @@
 //     multiple of 8 elements (each 16-byte chunk of a row is moved with one cp.async / st.v4).
 //   * last dim contiguous; d == HEAD_DIM; hq == hkv * h_ratio; sq, sk >= 1 (sk == 0 also works:
 //     all rows empty).
-//   * NOT implemented: softcap (p.softcap must be 0) and ALiBi (p.alibi_slopes must be null).
+//   * p.softcap > 0 caps the scores (fc::softcap_tanh, common/softmax.cuh). NOT implemented:
+//     ALiBi (p.alibi_slopes must be null).
 //     Split-KV fields are ignored (this kernel writes O and LSE directly).
 // MASK_ID: 0 none, 1 causal (bottom-right), 2 local window (runtime p.window_left/right,
 // negative = unbounded; bottom-right aligned like causal).
@@ -162,7 +163,10 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //     (d128 128x48 on sm_80/86/89): K/V tile pointers and the thread index recomputed from %ctaid / %tid where
 //     they are used, one remainder register for load_tile's row test (STAGES 2). Costs 2-5 %
 //     on the H100 (session 5), so it is used only where the tile would spill without it.
-enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16 };
+//   FWD_CAP: softcap (p.softcap > 0). Kernels hold the body with and without it and pick one per
+//     launch (fwd_has_cap_body): a runtime branch per key tile inside one body cost the sm80
+//     forward 1 % without softcap (H100, sm_90 SASS, session 12).
+enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16, FWD_CAP = 32 };
 
 __device__ __forceinline__ uint32_t launder32(uint32_t x) {
     asm volatile("mov.b32 %0, %1;" : "=r"(x) : "r"(x));
@@ -238,6 +242,21 @@ __device__ __forceinline__ void mask_tile(float (&s)[MT][NS][4], int nb, int war
                         if (col >= hi || col < lo) s[mt][j][2 * hf + e] = FC_NEG_INF;
                     }
             }
+    }
+}
+
+// Softcap (CAP: the FWD_CAP body): S becomes tanh(S * pre), pre = scale / softcap (the kept
+// scores' unit is then softcap: fc::score_unit), before the mask.
+template <bool CAP, int MT, int NS>
+__device__ __forceinline__ void softcap_tile(float (&s)[MT][NS][4], const FcParams& p) {
+    if constexpr (CAP) {
+        const float pre = __fdividef(p.scale, p.softcap);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < NS; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][j][e] = fc::softcap_tanh(s[mt][j][e] * pre);
     }
 }
 
@@ -562,7 +581,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
             row_l[mt][hf] = 0.f;
         }
 
-    const float sl2 = p.scale_log2;
+    const float sl2 = (OPT & FWD_CAP) != 0 ? fc::score_unit_log2(p.scale_log2, p.softcap) : p.scale_log2;
     const int row_thr = m0 + warp_row + (lane >> 2);  // + mt*16 + hf*8
     const int warp_r0 = m0 + warp_row;                // first query row of this warp
 
@@ -632,6 +651,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
                 }
             }
         }
+        softcap_tile<(OPT & FWD_CAP) != 0>(s, p);
         mask_tile<MASK, BN, MT, NS>(s, nb, warp_r0, row_thr, lane, sq, sk, wl, wr);
 
         if (STAGES == 1) {
@@ -658,7 +678,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     T* o_out = og;
     float* lse_out = lseg;
     if constexpr (LEAN) FwdTile<T, MASK, BM, BN>::out_remat(p, o_out, lse_out);
-    const float scale = p.scale;
+    const float scale = (OPT & FWD_CAP) != 0 ? fc::score_unit(p.scale, p.softcap) : p.scale;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -696,7 +716,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
 // barrier per pair (id 1 + pair) publishes P.
 // Extra dynamic smem after the K and V tiles: P [WARPS/2][RW][BN] (16-bit), then f32 [WARPS][RW]
 // partial maxima and f32 [WARPS][RW] partial sums.
-template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES>
+template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES, bool CAP = false>
 __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
     static_assert(STAGES == 1, "key-split pairs use the one-stage schedule");
     static_assert(WARPS % 2 == 0 && WARPS <= 30, "warps come in pairs (named barriers 1..15)");
@@ -776,7 +796,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
             row_m[mt][hf] = FC_NEG_INF;
             if (quad0) fc::st_shared_f32(red_own + SUM_OFF + (mt * 16 + hf * 8) * 4, 0.f);
         }
-    const float sl2 = p.scale_log2;
+    const float sl2 = CAP ? fc::score_unit_log2(p.scale_log2, p.softcap) : p.scale_log2;
     const int warp_r0 = t.m0 + warp_row;
     const int row_thr = warp_r0 + (lane >> 2);
 
@@ -790,6 +810,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
 
         float s[MT][NS][4];
         qk_tile<T, D, MT, NS, true, 1>(s, q_lane, no_off, k_lane, no_off);
+        softcap_tile<CAP>(s, p);
         mask_tile<MASK, BN, MT, NS>(s, nb, warp_r0, row_thr, lane, sq, sk, wl, wr, half * HB);
         // Partial row maxima to smem (read back after the barrier: no registers held across it).
 #pragma unroll
@@ -865,7 +886,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
     T* og;
     float* lseg;
     t.out_remat(p, og, lseg);
-    const float scale = p.scale;
+    const float scale = CAP ? fc::score_unit(p.scale, p.softcap) : p.scale;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -917,6 +938,10 @@ __host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WAR
                     : (FWD_LAZY | FWD_XADDR |
                        (D == 128 && BN == 48 && fwd_pre_hopper_target() ? FWD_LEAN : 0));
 }
+// Whether a kernel holds a softcap body (FWD_CAP) beside its plain one. Not the d128 128x48 tile:
+// beside a softcap body its plain body ran 2.5-4.7 % slower (H100, session 12), so softcap d128
+// without a mask takes the `_cap` twin of 128x32 (kernels/variants.rs `has_cap_body` mirrors this).
+__host__ __device__ constexpr bool fwd_has_cap_body(int D, int BN) { return !(D == 128 && BN == 48); }
 }  // namespace fc_sm80
 
 // Key-split warp pairs (fwd_body_pair; the variant table's `warp_pairs` entries).
@@ -932,8 +957,18 @@ __host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WAR
 #define FC_SM80_FWD_OPT(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT)   \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32)                                 \
         SYMBOL(const __grid_constant__ FcParams p) {                                           \
-        if constexpr (((OPT) & fc_sm80::FWD_PAIR) != 0)                                         \
-            fc_sm80::fwd_body_pair<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES>(p);      \
-        else                                                                                   \
+        if constexpr (((OPT) & fc_sm80::FWD_PAIR) != 0) {                                       \
+            if (p.softcap > 0.f)                                                               \
+                fc_sm80::fwd_body_pair<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, true>(p); \
+            else                                                                               \
+                fc_sm80::fwd_body_pair<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES>(p);  \
+        } else if constexpr (fc_sm80::fwd_has_cap_body(HEAD_DIM, BLOCK_N)) {                     \
+            if (p.softcap > 0.f)                                                               \
+                fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES,        \
+                                  (OPT) | fc_sm80::FWD_CAP>(p);                                \
+            else                                                                               \
+                fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT>(p); \
+        } else {                                                                               \
             fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT>(p);   \
+        }                                                                                      \
     }

@@ -51,7 +51,8 @@
 //   Requirements the host must check (else use the sm80 path): head_dim % 64 == 0; q/k/v base
 //   addresses 16-B aligned and their row/head/batch strides multiples of 8 elements; o base 16-B
 //   aligned and o strides multiples of 8 elements (TMA store, 16-byte zero stores); mask none or causal
-//   (window_left = -1, window_right in {-1, 0}); softcap == 0; no ALiBi; num_splits == 1.
+//   (window_left = -1, window_right in {-1, 0}); softcap == 0, or > 0 for the FC_SM90_FWD_CAP twins;
+//   no ALiBi; num_splits == 1.
 // ---------------------------------------------------------------------------------------------
 #pragma once
 #include <cuda_fp16.h>
@@ -59,6 +60,7 @@
 #include <stdint.h>
 #include <cuda.h>
 #include "../common/params.h"
+#include "../common/softmax.cuh"
 #include "hopper.cuh"
 
 
@@ -95,7 +97,10 @@ template <> struct TypeInfo<__half> {
     }
 };
 
-template <typename T, int D, int MASK, int BM, int BN, int STAGES, bool PINGPONG>
+// CAP: softcap (p.softcap > 0; the `_cap` twins, FC_SM90_FWD_CAP): each S tile
+// becomes t = tanh(S * scale / softcap) right after its Q K^T (fc::softcap_tanh, before the mask),
+// and the kept scores' unit is softcap instead of scale (exp2 factor, LSE).
+template <typename T, int D, int MASK, int BM, int BN, int STAGES, bool PINGPONG, bool CAP = false>
 struct FwdSm90 {
     static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128, 192 or 256");
     static_assert(BM % 64 == 0 && BM >= 128 && BM <= 256, "BLOCK_M = 128, 192 or 256");
@@ -349,7 +354,8 @@ struct FwdSm90 {
         const int c = wg - 1;
         const int t128 = tid & 127;
         const int warp = t128 >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-        const float sl2 = p.scale_log2;
+        const float sl2 = CAP ? fc::score_unit_log2(p.scale_log2, p.softcap) : p.scale_log2;
+        const float pre = CAP ? __fdividef(p.scale, p.softcap) : 0.f;  // softcap: S -> tanh(S * pre)
         const uint64_t dq = desc_sw128(sQ + c * 8192, 16, 1024);
         const uint64_t dk = desc_sw128(sK, 16, 1024);
         const uint64_t dv = desc_sw128(sV, BN * 128, 1024);
@@ -505,13 +511,20 @@ struct FwdSm90 {
                 while (big) {  // one dot product per P = inf (an index loop: one copy of the code)
                     const int i = __ffsll((long long)big) - 1;
                     big &= big - 1;
-                    const float v = score_smem(sQ, sK + kst * KV_BYTES, c * 64 + warp * 16 + g + 8 * ((i >> 1) & 1),
-                                               8 * (i >> 2) + 2 * tq + (i & 1));
+                    float v = score_smem(sQ, sK + kst * KV_BYTES, c * 64 + warp * 16 + g + 8 * ((i >> 1) & 1),
+                                         8 * (i >> 2) + 2 * tq + (i & 1));
+                    if (CAP) v = fc::softcap_tanh(v * pre);
 #pragma unroll
                     for (int j = 0; j < BN / 2; ++j)
                         if (j == i) s[j] = v;
                 }
                 softmax(n, alpha);
+            };
+            auto cap_scores = [&]() {
+                if (CAP) {
+#pragma unroll
+                    for (int i = 0; i < BN / 2; ++i) s[i] = fc::softcap_tanh(s[i] * pre);
+                }
             };
             auto convert_p = [&]() {
 #pragma unroll
@@ -555,6 +568,7 @@ struct FwdSm90 {
             if (FAST ? lane == 0 : t128 == 0) mbar_arrive(empty_k(ks.stage));
             ks.advance();
             float alpha[2];
+            cap_scores();
             softmax(NT - 1, alpha);
             // ---- steady state. Iteration i: finish tile i-1's P V (wait, release V, rescale O, P_{i-1}
             // to registers), then issue S_i = Q K_i^T and O += P_{i-1} V_{i-1}; softmax_i overlaps that
@@ -604,6 +618,7 @@ struct FwdSm90 {
                 fence_regs(s);
                 kprev = ks.stage;
                 ks.advance();
+                cap_scores();
                 if (FAST) {
                     // free the K stage now, or after fix_tile in the next finish_pv
                     // d64: a specialised copy for each case (one runtime-flagged body: -0.2 to -3.3 %
@@ -646,7 +661,7 @@ struct FwdSm90 {
                 l += __shfl_xor_sync(0xffffffffu, l, 2);
                 const bool empty = !(l > 0.f);
                 inv[r] = empty ? 0.f : 1.f / l;
-                lse[r] = empty ? -INFINITY : m_r[r] * p.scale + logf(l);
+                lse[r] = empty ? -INFINITY : m_r[r] * (CAP ? p.softcap : p.scale) + logf(l);
             }
             if (tq == 0) {
 #pragma unroll
@@ -698,14 +713,17 @@ struct FwdSm90 {
 }  // namespace fc90
 
 // SYMBOL(p, tm_q, tm_k, tm_v, tm_o): see the launch contract above. WARPS must be (BLOCK_M/64 + 1) * 4.
-#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG)               \
+#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP)          \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32, 1)                                           \
         SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,                 \
                const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,           \
                const __grid_constant__ CUtensorMap tm_o) {                                                  \
         static_assert((WARPS) == ((BLOCK_M) / 64 + 1) * 4, "sm90 fwd: WARPS = (BLOCK_M/64 + 1) * 4");       \
-        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
+        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
     }
 // Ping-pong between consumer warpgroups for head_dim <= 128 (measured faster there), off for 256.
 #define FC_SM90_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128))
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false)
+// The softcap twin of a kernel (the variant table's `softcap` entries; p.softcap > 0 required).
+#define FC_SM90_FWD_CAP(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true)

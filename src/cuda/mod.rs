@@ -230,9 +230,6 @@ fn choose(p: &Problem, arch: Arch, smem: u32) -> Result<&'static Variant> {
             )))
         }
     };
-    if p.softcap.is_some() {
-        return Err(unsupported("softcap".into()));
-    }
     if p.alibi {
         return Err(unsupported("ALiBi slopes".into()));
     }
@@ -270,8 +267,10 @@ fn choose(p: &Problem, arch: Arch, smem: u32) -> Result<&'static Variant> {
                 ));
             } else if v.smem_bytes() > smem {
                 too_big.push(format!("{} needs {} B", v.symbol(), v.smem_bytes()));
-            } else if p.sq > v.max_sq as usize {
-                continue; // a later entry serves longer queries
+            } else if p.sq > v.max_sq as usize || !v.admits_softcap(p.softcap.is_some()) {
+                // a later entry serves longer queries, or the problem's softcap choice
+                // (`Variant::admits_softcap`: softcap twins, kernels with a softcap body)
+                continue;
             } else {
                 return Ok(v);
             }
