@@ -327,6 +327,20 @@ fn softmax_scales_and_growing_scores() -> Result<()> {
 /// from their logarithms. Causal cases check the exact path on the same data. The last shape has
 /// more query tiles than the H100 has SMs: persistent CTAs run several tiles, so the next tile's
 /// Q and K loads would race a late reader of those buffers.
+/// q + 2 and the first 8 keys + `bump` (the last key tile the kernels visit): those scores jump
+/// by ~2 * bump * d * scale above every earlier tile. Returns contiguous q and k in their dtype.
+fn jumping(q: &Tensor, k: &Tensor, bump: f32) -> Result<(Tensor, Tensor)> {
+    let (dtype, sk) = (k.dtype(), k.dim(1)?);
+    let q = (q.to_dtype(DType::F32)? + 2.0)?.to_dtype(dtype)?;
+    let bumps: Vec<f32> = (0..sk).map(|j| if j < 8 { bump } else { 0.0 }).collect();
+    let bumps = Tensor::from_vec(bumps, (1, sk, 1, 1), k.device())?;
+    let k = k
+        .to_dtype(DType::F32)?
+        .broadcast_add(&bumps)?
+        .to_dtype(dtype)?;
+    Ok((q, k))
+}
+
 #[test]
 fn scores_jumping_late() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -346,13 +360,7 @@ fn scores_jumping_late() -> Result<()> {
             ] {
                 let strided = n % 2 == 1;
                 let (q, k, v) = qkv(b, sq, sk, hq, hkv, d, dtype, strided, &dev)?;
-                let q = (q.to_dtype(DType::F32)? + 2.0)?.to_dtype(dtype)?;
-                let bumps: Vec<f32> = (0..sk).map(|j| if j < 8 { bump } else { 0.0 }).collect();
-                let bumps = Tensor::from_vec(bumps, (1, sk, 1, 1), &dev)?;
-                let k = k
-                    .to_dtype(DType::F32)?
-                    .broadcast_add(&bumps)?
-                    .to_dtype(dtype)?;
+                let (q, k) = jumping(&q, &k, bump)?;
                 // the bumps above made q and k contiguous: every other case as strided views again
                 // (the kernels' tensor maps carry the strides)
                 let (q, k) = if strided {
@@ -470,13 +478,7 @@ fn softcap_on_the_gpu() -> Result<()> {
             for cap in [120.0, 30.0] {
                 let (b, sq, sk, hq, hkv) = (1, 700, 700, 4, 2);
                 let (q, k, v) = qkv(b, sq, sk, hq, hkv, d, DType::BF16, false, &dev)?;
-                let q = (q.to_dtype(DType::F32)? + 2.0)?.to_dtype(DType::BF16)?;
-                let bumps: Vec<f32> = (0..sk).map(|j| if j < 8 { 10.0 } else { 0.0 }).collect();
-                let bumps = Tensor::from_vec(bumps, (1, sk, 1, 1), &dev)?;
-                let k = k
-                    .to_dtype(DType::F32)?
-                    .broadcast_add(&bumps)?
-                    .to_dtype(DType::BF16)?;
+                let (q, k) = jumping(&q, &k, 10.0)?;
                 let p = AttnParams {
                     mask,
                     softcap: Some(cap),
