@@ -226,6 +226,7 @@ static Result run_check(const Prob& P, const KCfg& cfg) {
     p.v_batch_stride = k_batch; p.v_row_stride = k_row; p.v_head_stride = k_head;
     p.o_batch_stride = o_batch; p.o_row_stride = o_row; p.o_head_stride = o_head;
     p.b = P.b; p.hq = P.hq; p.hkv = P.hkv; p.sq = P.sq; p.sk = P.sk; p.d = d; p.h_ratio = hr;
+    p.lse_batch_stride = (int64_t)P.hq * P.sq; p.lse_head_stride = P.sq;  // dense LSE (b, hq, sq)
     p.scale = 1.f / sqrtf((float)d); p.scale_log2 = p.scale * 1.4426950408889634f; p.softcap = 0.f;
     p.window_left = P.mask == 1 ? -1 : (P.mask == 2 ? P.wl : -1);
     p.window_right = P.mask == 1 ? 0 : (P.mask == 2 ? P.wr : -1);
@@ -491,6 +492,7 @@ static void do_timing(FILE* log) {
             p.v_batch_stride = p.k_batch_stride; p.v_row_stride = p.k_row_stride; p.v_head_stride = d;
             p.o_batch_stride = p.q_batch_stride; p.o_row_stride = p.q_row_stride; p.o_head_stride = d;
             p.b = b; p.hq = hq; p.hkv = hkv; p.sq = sq; p.sk = sk; p.d = d; p.h_ratio = hq / hkv;
+            p.lse_batch_stride = (int64_t)hq * sq; p.lse_head_stride = sq;
             p.scale = 1.f / sqrtf((float)d); p.scale_log2 = p.scale * 1.4426950408889634f;
             p.window_left = -1; p.window_right = -1;
             auto time_it = [&](const KCfg& c, int ns, bool pdl) {

@@ -147,6 +147,7 @@ static Res run_check(const KEntry& K, const Prob& P) {
   p.v_batch_stride = vs.bs; p.v_row_stride = vs.rs; p.v_head_stride = vs.hs;
   p.o_batch_stride = os.bs; p.o_row_stride = os.rs; p.o_head_stride = os.hs;
   p.b = P.b; p.hq = P.hq; p.hkv = P.hkv; p.sq = P.sq; p.sk = P.sk; p.d = d; p.h_ratio = P.hq / P.hkv;
+  p.lse_batch_stride = (int64_t)P.hq * P.sq; p.lse_head_stride = P.sq;  // dense LSE (b, hq, sq)
   p.scale = 1.0f / sqrtf((float)d); p.scale_log2 = p.scale * 1.4426950408889634f; p.softcap = 0;
   p.window_left = P.mask == 1 ? -1 : (P.mask == 2 ? P.wl : -1);
   p.window_right = P.mask == 1 ? 0 : (P.mask == 2 ? P.wr : -1);
@@ -273,6 +274,7 @@ struct TimeBufs {
     p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = (int64_t)h * d;
     p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = (int64_t)s * h * d;
     p.b = b; p.hq = h; p.hkv = h; p.sq = s; p.sk = s; p.d = d; p.h_ratio = 1;
+    p.lse_batch_stride = (int64_t)h * s; p.lse_head_stride = s;
     p.scale = 1.0f / sqrtf((float)d); p.scale_log2 = p.scale * 1.4426950408889634f;
     p.window_left = -1; p.window_right = causal ? 0 : -1; p.num_splits = 1;
     return p;

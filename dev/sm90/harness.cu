@@ -169,6 +169,7 @@ static FcParams make_params(const Prob& P, const Buffers& B) {
     p.v_batch_stride = P.vs[0]; p.v_row_stride = P.vs[1]; p.v_head_stride = P.vs[2];
     p.o_batch_stride = P.os[0]; p.o_row_stride = P.os[1]; p.o_head_stride = P.os[2];
     p.b = P.b; p.hq = P.hq; p.hkv = P.hkv; p.sq = P.sq; p.sk = P.sk; p.d = P.d;
+    p.lse_batch_stride = (int64_t)P.hq * P.sq; p.lse_head_stride = P.sq;  // dense LSE (b, hq, sq)
     p.h_ratio = P.hq / P.hkv;
     p.scale = 1.0f / sqrtf((float)P.d);
     p.scale_log2 = p.scale * 1.4426950408889634f;
