@@ -1,8 +1,20 @@
 //! The CPU path: a fused reference computing the exact function of the crate docs (f32
 //! accumulation for 16/32-bit inputs, f64 for f64), and the eager composition of candle ops.
+//!
+//! The fused path is a small flash-attention on the CPU: per (batch, KV head), K is converted
+//! once to the accumulator type and transposed (`(d, seq_k)`, keys contiguous) and V converted
+//! (read in place when it already is the accumulator type); tiles of [`MR`] query rows (the
+//! query heads of a KV head and consecutive positions, row-major) run an online softmax over
+//! key blocks of [`KB`] keys aligned to absolute key positions, so a row's result does not
+//! depend on which tile or thread computed it. Threads take units of tiles from a shared
+//! counter once the problem is big enough to pay for spawning them. On x86_64 the kernels are
+//! also compiled with AVX2 + FMA and picked at run time.
 
 use crate::params::{AttnParams, Mask, Problem};
 use candle_core::{DType, Device, Result, Tensor, WithDType, D};
+use std::any::TypeId;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 /// Accumulation type of the CPU path.
 pub(crate) trait Acc:
@@ -15,6 +27,7 @@ pub(crate) trait Acc:
     + std::ops::Mul<Output = Self>
     + std::ops::Div<Output = Self>
     + std::ops::AddAssign
+    + 'static
 {
     const ZERO: Self;
     const NEG_INF: Self;
@@ -22,46 +35,80 @@ pub(crate) trait Acc:
     fn f64(self) -> f64;
     fn exp(self) -> Self;
     fn tanh(self) -> Self;
+    /// `a * b + c`, fused when `FMA` (only instantiated with `FMA` where the CPU has it).
+    fn madd<const FMA: bool>(a: Self, b: Self, c: Self) -> Self;
+    /// `exp` of every element of `xs`, whose elements are all `<= 0` or `-inf`.
+    fn exp_nonpos(xs: &mut [Self]);
 }
 
 macro_rules! acc {
-    ($t:ty) => {
+    ($t:ty, $exp_nonpos:expr) => {
         impl Acc for $t {
             const ZERO: Self = 0.0;
             const NEG_INF: Self = <$t>::NEG_INFINITY;
+            #[inline(always)]
             fn of(x: f64) -> Self {
                 x as $t
             }
+            #[inline(always)]
             fn f64(self) -> f64 {
                 self as f64
             }
+            #[inline(always)]
             fn exp(self) -> Self {
                 <$t>::exp(self)
             }
+            #[inline(always)]
             fn tanh(self) -> Self {
                 <$t>::tanh(self)
+            }
+            #[inline(always)]
+            fn madd<const FMA: bool>(a: Self, b: Self, c: Self) -> Self {
+                if FMA {
+                    a.mul_add(b, c)
+                } else {
+                    a * b + c
+                }
+            }
+            #[inline(always)]
+            fn exp_nonpos(xs: &mut [Self]) {
+                $exp_nonpos(xs)
             }
         }
     };
 }
-acc!(f32);
-acc!(f64);
+acc!(f32, exp_nonpos_f32);
+acc!(f64, |xs: &mut [f64]| xs
+    .iter_mut()
+    .for_each(|x| *x = x.exp()));
 
-/// Dot product with four independent partial sums (lets the compiler vectorise it).
-fn dot<A: Acc>(a: &[A], b: &[A]) -> A {
-    let mut acc = [A::ZERO; 4];
-    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..4 {
-            acc[l] += x[l] * y[l];
-        }
+/// `exp(x)` for `x <= 0` (or `-inf`, giving 0) in f32, written to vectorise: Cephes' expf
+/// (range reduction by ln 2 in two parts, degree-6 polynomial, exponent bits), about 1 ulp.
+#[inline(always)]
+fn exp_nonpos_f32(xs: &mut [f32]) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding 1.5 * 2^23 rounds to an integer (to nearest) held in the low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+    for x in xs.iter_mut() {
+        // NaN stays NaN (and comes out NaN); -inf and tiny values give 0 below.
+        let xc = if *x < -87.0 { -87.0 } else { *x };
+        let t = xc * LOG2E + MAGIC;
+        let n = t - MAGIC;
+        let r = xc - n * LN2_HI - n * LN2_LO;
+        let mut y = 1.987_569_1e-4_f32;
+        y = y * r + 1.398_199_9e-3;
+        y = y * r + 8.333_452e-3;
+        y = y * r + 4.166_579_6e-2;
+        y = y * r + 0.166_666_65;
+        y = y * r + 0.5;
+        y = y * (r * r) + r + 1.0;
+        // 2^n: n (in -126..=0) sits in t's low bits as t's bits - MAGIC's bits.
+        let pow2 =
+            f32::from_bits(t.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23);
+        *x = if *x < -87.0 { 0.0 } else { y * pow2 };
     }
-    let mut tail = A::ZERO;
-    for (x, y) in ra.iter().zip(rb) {
-        tail += *x * *y;
-    }
-    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
 }
 
 /// Keys visible to query row `i`: the half-open range `lo..hi` (empty when `lo >= hi`).
@@ -73,8 +120,477 @@ pub(crate) fn visible_keys(i: usize, sq: usize, sk: usize, mask: Mask) -> (usize
     (lo.min(sk as i64) as usize, hi as usize)
 }
 
-/// One query head's result: (batch, head, O rows `(sq, d)`, LSE `(sq,)`).
-type HeadResult<A> = (usize, usize, Vec<A>, Vec<f32>);
+/// Query rows per tile (the micro-kernels' register block).
+const MR: usize = 4;
+/// Keys per micro-tile of `Q K^T`.
+const NR: usize = 16;
+/// Keys per online-softmax block (a multiple of `NR`; blocks start at multiples of `KB`).
+const KB: usize = 64;
+/// Below this much work (multiply-adds of `Q K^T`, about 100 us on one core) the call stays on
+/// the calling thread: spawning costs tens of microseconds, and on a busy machine a second
+/// thread can wait a whole time slice for a core.
+const THREAD_MIN_WORK: usize = 1 << 21;
+
+/// `src` as a slice of `U` when `T` and `U` are the same type.
+fn same<T: 'static, U: 'static>(src: &[T]) -> Option<&[U]> {
+    if TypeId::of::<T>() == TypeId::of::<U>() {
+        // SAFETY: T and U are the same type.
+        Some(unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<U>(), src.len()) })
+    } else {
+        None
+    }
+}
+
+fn same_mut<T: 'static, U: 'static>(dst: &mut [T]) -> Option<&mut [U]> {
+    if TypeId::of::<T>() == TypeId::of::<U>() {
+        // SAFETY: T and U are the same type.
+        Some(unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<U>(), dst.len()) })
+    } else {
+        None
+    }
+}
+
+/// Converts one row of inputs to the accumulator type (bulk conversions for the common pairs).
+#[inline(always)]
+fn load_row<T: WithDType, A: Acc>(src: &[T], dst: &mut [A]) {
+    use half::slice::HalfFloatSliceExt;
+    if let Some(s) = same::<T, A>(src) {
+        dst.copy_from_slice(s);
+    } else if let (Some(s), Some(d)) = (same::<T, half::f16>(src), same_mut::<A, f32>(dst)) {
+        s.convert_to_f32_slice(d);
+    } else if let (Some(s), Some(d)) = (same::<T, half::bf16>(src), same_mut::<A, f32>(dst)) {
+        s.convert_to_f32_slice(d);
+    } else {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = A::of(s.to_f64());
+        }
+    }
+}
+
+/// Converts one output row from the accumulator type.
+#[inline(always)]
+fn store_row<T: WithDType, A: Acc>(src: &[A], dst: &mut [T]) {
+    use half::slice::HalfFloatSliceExt;
+    if let Some(d) = same_mut::<T, A>(dst) {
+        d.copy_from_slice(src);
+    } else if let (Some(s), Some(d)) = (same::<A, f32>(src), same_mut::<T, half::f16>(dst)) {
+        d.convert_from_f32_slice(s);
+    } else if let (Some(s), Some(d)) = (same::<A, f32>(src), same_mut::<T, half::bf16>(dst)) {
+        d.convert_from_f32_slice(s);
+    } else {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = T::from_f64(s.f64());
+        }
+    }
+}
+
+/// K and V of one (batch, KV head) in the accumulator type. With many query rows K is
+/// transposed by tiles of `NR` keys, `kt` `(ceil(sk / NR), d, NR)` with the last tile padded
+/// with zeros (each micro-kernel step reads 4 KB contiguous at d = 64 instead of `d` lines a
+/// power of two apart, which thrash the cache sets); with few (decode) the transposition would
+/// cost more than it saves and K stays row-major, `k` `(sk, d)`. `k` and `v` are empty when
+/// read in place (the input already is the accumulator type).
+struct KvBuf<A> {
+    kt: Vec<A>,
+    k: Vec<A>,
+    v: Vec<A>,
+}
+
+/// Rows `j` of one (batch, KV head) of K or V: `data[base + j * stride..][..d]`.
+#[derive(Clone, Copy)]
+struct Rows<'a, A> {
+    data: &'a [A],
+    base: usize,
+    stride: usize,
+}
+
+impl<'a, A> Rows<'a, A> {
+    /// The input in place (`direct`, at `(base, stride)`) or a converted `(sk, d)` buffer.
+    #[inline(always)]
+    fn of(direct: Option<&'a [A]>, buf: &'a [A], (base, stride): (usize, usize), d: usize) -> Self {
+        match direct {
+            Some(data) => Rows { data, base, stride },
+            None => Rows {
+                data: buf,
+                base: 0,
+                stride: d,
+            },
+        }
+    }
+
+    #[inline(always)]
+    fn row(&self, j: usize, d: usize) -> &[A] {
+        let o = self.base + j * self.stride;
+        &self.data[o..o + d]
+    }
+}
+
+/// Tiles per (batch, KV head) up to which K stays row-major (see [`KvBuf`]).
+const ROW_MAJOR_K_TILES: usize = 4;
+
+/// A raw output pointer shared by the workers; every element is written by one tile only.
+#[derive(Clone, Copy)]
+struct OutPtr<T>(*mut T);
+// SAFETY: workers write disjoint elements (each (batch, row, head) belongs to one tile).
+unsafe impl<T: Send> Send for OutPtr<T> {}
+unsafe impl<T: Send> Sync for OutPtr<T> {}
+
+/// Everything a worker reads.
+struct Ctx<'a, T, A> {
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    p: &'a Problem,
+    slopes: Option<&'a [f32]>,
+    scale: A,
+    softcap: Option<A>,
+    ratio: usize,
+    /// V read in place (the input already is the accumulator type).
+    v_direct: Option<&'a [A]>,
+    k_direct: Option<&'a [A]>,
+    /// K transposed (many query rows) or row-major (few).
+    k_transposed: bool,
+    kv: Vec<OnceLock<KvBuf<A>>>,
+    /// Tiles per (batch, KV head) and tiles per unit of work.
+    tiles: usize,
+    tiles_per_unit: usize,
+    units: usize,
+    next: AtomicUsize,
+    out: OutPtr<T>,
+    lse: OutPtr<f32>,
+}
+
+/// Per-thread scratch.
+struct Scratch<A> {
+    q: Vec<A>,
+    s: Vec<A>,
+    o: Vec<A>,
+}
+
+impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
+    #[inline(always)]
+    fn kv_buf(&self, bi: usize, g: usize) -> &KvBuf<A> {
+        self.kv[bi * self.p.hkv + g].get_or_init(|| {
+            let (sk, d, p) = (self.p.sk, self.p.d, self.p);
+            let convert = |src: &[T], st: [usize; 3]| {
+                let mut dst = vec![A::ZERO; sk * d];
+                for j in 0..sk {
+                    let o = bi * st[0] + j * st[1] + g * st[2];
+                    load_row(&src[o..o + d], &mut dst[j * d..(j + 1) * d]);
+                }
+                dst
+            };
+            let v = match self.v_direct {
+                Some(_) => Vec::new(),
+                None => convert(self.v, p.v_strides),
+            };
+            if !self.k_transposed {
+                let k = match self.k_direct {
+                    Some(_) => Vec::new(),
+                    None => convert(self.k, p.k_strides),
+                };
+                return KvBuf {
+                    kt: Vec::new(),
+                    k,
+                    v,
+                };
+            }
+            let mut kt = vec![A::ZERO; sk.div_ceil(NR) * d * NR];
+            let mut rows = vec![A::ZERO; NR * d];
+            for j0 in (0..sk).step_by(NR) {
+                let n = NR.min(sk - j0);
+                for jj in 0..n {
+                    let o = bi * p.k_strides[0] + (j0 + jj) * p.k_strides[1] + g * p.k_strides[2];
+                    load_row(&self.k[o..o + d], &mut rows[jj * d..(jj + 1) * d]);
+                }
+                for x in 0..d {
+                    let at = (j0 * d + x * NR)..(j0 * d + x * NR + n);
+                    let dst = &mut kt[at];
+                    for (jj, e) in dst.iter_mut().enumerate() {
+                        *e = rows[jj * d + x];
+                    }
+                }
+            }
+            KvBuf {
+                kt,
+                k: Vec::new(),
+                v,
+            }
+        })
+    }
+
+    /// Takes units from the shared counter until none is left.
+    #[inline(always)]
+    fn work<const FMA: bool>(&self) {
+        let d = self.p.d;
+        let mut sc = Scratch {
+            q: vec![A::ZERO; MR * d],
+            s: vec![A::ZERO; MR * KB],
+            o: vec![A::ZERO; MR * d],
+        };
+        let nbg = self.p.b * self.p.hkv;
+        let chunks = self.units / nbg;
+        loop {
+            let u = self.next.fetch_add(1, Ordering::Relaxed);
+            if u >= self.units {
+                break;
+            }
+            // Latest rows (the most keys under a causal mask) first; (batch, KV head) fastest so
+            // that threads convert different K/V at the start.
+            let (chunk, bg) = (chunks - 1 - u / nbg, u % nbg);
+            let (bi, g) = (bg / self.p.hkv, bg % self.p.hkv);
+            let t0 = chunk * self.tiles_per_unit;
+            for t in t0..(t0 + self.tiles_per_unit).min(self.tiles) {
+                self.tile::<FMA>(bi, g, t, &mut sc);
+            }
+        }
+    }
+
+    /// One tile: virtual rows `t * MR ..` of (batch `bi`, KV head `g`); virtual row `r` is
+    /// query row `r / ratio` of query head `g * ratio + r % ratio`.
+    #[inline(always)]
+    fn tile<const FMA: bool>(&self, bi: usize, g: usize, t: usize, sc: &mut Scratch<A>) {
+        let p = self.p;
+        let (sq, sk, d, hq, ratio) = (p.sq, p.sk, p.d, p.hq, self.ratio);
+        let v0 = t * MR;
+        let nr = MR.min(sq * ratio - v0);
+        let mut rows = [(0usize, 0usize, 0usize, 0usize); MR]; // (i, h, lo, hi)
+        let (mut lo_t, mut hi_t) = (usize::MAX, 0);
+        for (r, row) in rows.iter_mut().enumerate() {
+            if r >= nr {
+                continue;
+            }
+            let (i, h) = ((v0 + r) / ratio, g * ratio + (v0 + r) % ratio);
+            let (lo, hi) = visible_keys(i, sq, sk, p.mask);
+            *row = (i, h, lo, hi);
+            if lo < hi {
+                lo_t = lo_t.min(lo);
+                hi_t = hi_t.max(hi);
+            }
+        }
+        if lo_t >= hi_t {
+            return; // O stays zero and LSE -inf
+        }
+        for (r, &(i, h, lo, hi)) in rows.iter().enumerate() {
+            let dst = &mut sc.q[r * d..(r + 1) * d];
+            if r < nr && lo < hi {
+                let o = bi * p.q_strides[0] + i * p.q_strides[1] + h * p.q_strides[2];
+                load_row(&self.q[o..o + d], dst);
+            } else {
+                dst.fill(A::ZERO);
+            }
+        }
+        sc.o.fill(A::ZERO);
+        let kv = self.kv_buf(bi, g);
+        let at = |st: [usize; 3]| (bi * st[0] + g * st[2], st[1]);
+        let vr = Rows::of(self.v_direct, &kv.v, at(p.v_strides), d);
+        let kr = Rows::of(self.k_direct, &kv.k, at(p.k_strides), d);
+        let mut m = [A::NEG_INF; MR];
+        let mut l = [A::ZERO; MR];
+        let mut blk = lo_t / KB * KB;
+        while blk < hi_t {
+            let n = KB.min(hi_t - blk);
+            if self.k_transposed {
+                for c in (0..n).step_by(NR) {
+                    let kt = &kv.kt[(blk + c) * d..(blk + c + NR) * d];
+                    qk_micro::<A, FMA>(&sc.q, d, kt, &mut sc.s, c);
+                }
+            } else {
+                qk_rows::<A, FMA>(&sc.q, d, kr, blk, n, &mut sc.s);
+            }
+            for (r, &(i, h, lo, hi)) in rows.iter().enumerate() {
+                let srow = &mut sc.s[r * KB..r * KB + n];
+                if r >= nr || lo >= hi || hi <= blk || lo >= blk + n {
+                    srow.fill(A::ZERO);
+                    continue;
+                }
+                if self.softcap.is_none() && self.slopes.is_none() {
+                    for e in srow.iter_mut() {
+                        *e = *e * self.scale;
+                    }
+                } else {
+                    let diag = i as f64 + sk as f64 - sq as f64;
+                    let slope = self.slopes.map(|s| A::of(s[h] as f64));
+                    for (jj, e) in srow.iter_mut().enumerate() {
+                        let mut s = *e * self.scale;
+                        if let Some(c) = self.softcap {
+                            s = c * (s / c).tanh();
+                        }
+                        if let Some(sl) = slope {
+                            s = s - sl * A::of(((blk + jj) as f64 - diag).abs());
+                        }
+                        *e = s;
+                    }
+                }
+                // Keys outside lo..hi (the block holds at least one visible key).
+                let (a, z) = (lo.saturating_sub(blk), (hi - blk).min(n));
+                srow[..a].fill(A::NEG_INF);
+                srow[z..].fill(A::NEG_INF);
+                let bm = lanes(&srow[a..z], A::NEG_INF, |m, x| if x > m { x } else { m });
+                let m_new = if bm > m[r] { bm } else { m[r] };
+                for e in srow.iter_mut() {
+                    *e = *e - m_new;
+                }
+                A::exp_nonpos(srow);
+                let sum = lanes(srow, A::ZERO, |a, x| a + x);
+                if m_new > m[r] && l[r] > A::ZERO {
+                    let alpha = (m[r] - m_new).exp();
+                    for o in sc.o[r * d..(r + 1) * d].iter_mut() {
+                        *o = *o * alpha;
+                    }
+                    l[r] = l[r] * alpha;
+                }
+                l[r] += sum;
+                m[r] = m_new;
+            }
+            if d % 16 == 0 {
+                pv_micro::<A, FMA, 16>(&sc.s, n, vr, blk, &mut sc.o, d);
+            } else {
+                pv_micro::<A, FMA, 8>(&sc.s, n, vr, blk, &mut sc.o, d);
+            }
+            blk += KB;
+        }
+        for (r, &(i, h, lo, hi)) in rows.iter().enumerate() {
+            if r >= nr || lo >= hi {
+                continue;
+            }
+            let orow = &mut sc.o[r * d..(r + 1) * d];
+            for o in orow.iter_mut() {
+                *o = *o / l[r];
+            }
+            let dst = ((bi * sq + i) * hq + h) * d;
+            // SAFETY: `out` has b * sq * hq * d elements and row (bi, i, h) belongs to this tile
+            // only; likewise the LSE entry.
+            unsafe {
+                store_row(orow, std::slice::from_raw_parts_mut(self.out.0.add(dst), d));
+                *self.lse.0.add((bi * hq + h) * sq + i) = (m[r].f64() + l[r].f64().ln()) as f32;
+            }
+        }
+    }
+}
+
+/// Reduces `xs` with `f` over 8 independent lanes (so that it vectorises), then across lanes.
+#[inline(always)]
+fn lanes<A: Acc>(xs: &[A], init: A, f: impl Fn(A, A) -> A) -> A {
+    let mut acc = [init; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = f(*a, x);
+        }
+    }
+    let mut r = rest.iter().fold(init, |a, &x| f(a, x));
+    for a in acc {
+        r = f(r, a);
+    }
+    r
+}
+
+/// `s[r][j] = q[r] . K[j0 + j]` for the first `n` keys of the block, K row-major; `q` is
+/// `(MR, d)`, `s` is `(MR, KB)`.
+#[inline(always)]
+fn qk_rows<A: Acc, const FMA: bool>(
+    q: &[A],
+    d: usize,
+    k: Rows<'_, A>,
+    j0: usize,
+    n: usize,
+    s: &mut [A],
+) {
+    let qr: [&[A]; MR] = std::array::from_fn(|r| &q[r * d..(r + 1) * d]);
+    for j in 0..n {
+        let kr = k.row(j0 + j, d);
+        let mut acc = [[A::ZERO; 8]; MR];
+        for (x, kc) in kr.chunks_exact(8).enumerate() {
+            let kc: &[A; 8] = kc.try_into().unwrap();
+            for (a, q) in acc.iter_mut().zip(&qr) {
+                let qc: &[A; 8] = q[x * 8..x * 8 + 8].try_into().unwrap();
+                for l in 0..8 {
+                    a[l] = A::madd::<FMA>(qc[l], kc[l], a[l]);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            s[r * KB + j] = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+        }
+    }
+}
+
+/// `s[r][c..c + NR] = q[r] . K[j]` for the `NR` keys of the transposed tile `kt` (`(d, NR)`),
+/// for the `MR` query rows of `q` (`(MR, d)`); `s` is `(MR, KB)`.
+#[inline(always)]
+fn qk_micro<A: Acc, const FMA: bool>(q: &[A], d: usize, kt: &[A], s: &mut [A], c: usize) {
+    let qr: [&[A]; MR] = std::array::from_fn(|r| &q[r * d..(r + 1) * d]);
+    let mut acc = [[A::ZERO; NR]; MR];
+    for x in 0..d {
+        let kr: &[A; NR] = kt[x * NR..(x + 1) * NR].try_into().unwrap();
+        for r in 0..MR {
+            let qv = qr[r][x];
+            for (a, &k) in acc[r].iter_mut().zip(kr) {
+                *a = A::madd::<FMA>(qv, k, *a);
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        s[r * KB + c..r * KB + c + NR].copy_from_slice(a);
+    }
+}
+
+/// `o[r] += sum_j p[r][j] * V[j0 + j]` over the first `n` keys of the block; `p` is
+/// `(MR, KB)`, `o` is `(MR, d)`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // `j` indexes V rows and every row of `p`
+fn pv_micro<A: Acc, const FMA: bool, const W: usize>(
+    p: &[A],
+    n: usize,
+    v: Rows<'_, A>,
+    j0: usize,
+    o: &mut [A],
+    d: usize,
+) {
+    let pr: [&[A]; MR] = std::array::from_fn(|r| &p[r * KB..r * KB + n]);
+    for c in (0..d).step_by(W) {
+        let mut acc: [[A; W]; MR] =
+            std::array::from_fn(|r| o[r * d + c..r * d + c + W].try_into().unwrap());
+        for j in 0..n {
+            let vr: &[A; W] = v.row(j0 + j, d)[c..c + W].try_into().unwrap();
+            for r in 0..MR {
+                let pv = pr[r][j];
+                for (a, &x) in acc[r].iter_mut().zip(vr) {
+                    *a = A::madd::<FMA>(pv, x, *a);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            o[r * d + c..r * d + c + W].copy_from_slice(a);
+        }
+    }
+}
+
+fn worker<T: WithDType, A: Acc>(ctx: &Ctx<'_, T, A>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { worker_avx2_fma(ctx) };
+            return;
+        }
+    }
+    ctx.work::<false>();
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn worker_avx2_fma<T: WithDType, A: Acc>(ctx: &Ctx<'_, T, A>) {
+    ctx.work::<true>();
+}
+
+fn cpu_threads() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
 
 /// Fused CPU attention over strided storage. `q`, `k`, `v` are the storages' full slices with
 /// the layouts' start offsets already applied. Returns O `(b, sq, hq, d)` contiguous in `T` and
@@ -90,111 +606,64 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
     let ratio = hq / hkv;
     let mut out = vec![T::zero(); b * sq * hq * d];
     let mut lse = vec![f32::NEG_INFINITY; b * hq * sq];
-    let scale = A::of(p.scale as f64);
-    let softcap = p.softcap.map(|c| A::of(c as f64));
-    // One unit of work: a (batch, kv head) pair; it owns the output of its `ratio` query heads.
-    // Collect disjoint output slices per unit so threads can write without locks.
-    let units: Vec<(usize, usize)> = (0..b)
-        .flat_map(|bi| (0..hkv).map(move |g| (bi, g)))
-        .collect();
-    // Threads only pay for themselves on real work (spawning costs more than a decode step).
-    let work = b * hq * sq * sk * d;
-    let nthreads = if work < 1 << 22 {
+    // Multiply-adds of Q K^T (as many again for P V).
+    let work = b
+        * hq
+        * d
+        * (0..sq)
+            .map(|i| {
+                let (lo, hi) = visible_keys(i, sq, sk, p.mask);
+                hi.saturating_sub(lo)
+            })
+            .sum::<usize>();
+    let nthreads = if work < THREAD_MIN_WORK {
         1
     } else {
-        std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(units.len())
-            .max(1)
+        cpu_threads()
     };
-    let worker = |t: usize| -> Vec<HeadResult<A>> {
-        let mut res = Vec::new();
-        let mut kbuf = vec![A::ZERO; sk * d];
-        let mut vbuf = vec![A::ZERO; sk * d];
-        let mut scores = vec![A::ZERO; sk];
-        for &(bi, g) in units.iter().skip(t).step_by(nthreads) {
-            for j in 0..sk {
-                let ko = bi * p.k_strides[0] + j * p.k_strides[1] + g * p.k_strides[2];
-                let vo = bi * p.v_strides[0] + j * p.v_strides[1] + g * p.v_strides[2];
-                for x in 0..d {
-                    kbuf[j * d + x] = A::of(k[ko + x].to_f64());
-                    vbuf[j * d + x] = A::of(v[vo + x].to_f64());
-                }
-            }
-            for h in g * ratio..(g + 1) * ratio {
-                let slope = slopes.map(|s| A::of(s[h] as f64));
-                let mut o_head = vec![A::ZERO; sq * d];
-                let mut l_head = vec![f32::NEG_INFINITY; sq];
-                let mut qrow = vec![A::ZERO; d];
-                for i in 0..sq {
-                    let (lo, hi) = visible_keys(i, sq, sk, p.mask);
-                    if lo >= hi {
-                        continue;
-                    }
-                    let qo = bi * p.q_strides[0] + i * p.q_strides[1] + h * p.q_strides[2];
-                    for x in 0..d {
-                        qrow[x] = A::of(q[qo + x].to_f64());
-                    }
-                    let diag = i as f64 + sk as f64 - sq as f64;
-                    let mut m = A::NEG_INF;
-                    for j in lo..hi {
-                        let kr = &kbuf[j * d..(j + 1) * d];
-                        let mut s = dot(&qrow, kr) * scale;
-                        if let Some(c) = softcap {
-                            s = c * (s / c).tanh();
-                        }
-                        if let Some(sl) = slope {
-                            s = s - sl * A::of((j as f64 - diag).abs());
-                        }
-                        scores[j] = s;
-                        if s > m {
-                            m = s;
-                        }
-                    }
-                    let mut l = A::ZERO;
-                    let orow = &mut o_head[i * d..(i + 1) * d];
-                    for j in lo..hi {
-                        let pj = (scores[j] - m).exp();
-                        l += pj;
-                        let vr = &vbuf[j * d..(j + 1) * d];
-                        for x in 0..d {
-                            orow[x] += pj * vr[x];
-                        }
-                    }
-                    for o in orow.iter_mut() {
-                        *o = *o / l;
-                    }
-                    l_head[i] = (m.f64() + l.f64().ln()) as f32;
-                }
-                res.push((bi, h, o_head, l_head));
-            }
-        }
-        res
+    let tiles = (sq * ratio).div_ceil(MR);
+    // Enough units per thread to balance causal rows, but whole tiles of real work each.
+    let nbg = b * hkv;
+    let want_chunks = if nthreads == 1 {
+        1
+    } else {
+        (8 * nthreads).div_ceil(nbg)
     };
-    let results: Vec<Vec<HeadResult<A>>> = if nthreads == 1 {
-        vec![worker(0)]
+    let tiles_per_unit = tiles.div_ceil(want_chunks.min(tiles)).max(1);
+    let chunks = tiles.div_ceil(tiles_per_unit);
+    let ctx = Ctx {
+        q,
+        k,
+        v,
+        p,
+        slopes,
+        scale: A::of(p.scale as f64),
+        softcap: p.softcap.map(|c| A::of(c as f64)),
+        ratio,
+        v_direct: same::<T, A>(v),
+        k_direct: same::<T, A>(k),
+        k_transposed: tiles > ROW_MAJOR_K_TILES,
+        kv: (0..nbg).map(|_| OnceLock::new()).collect(),
+        tiles,
+        tiles_per_unit,
+        units: chunks * nbg,
+        next: AtomicUsize::new(0),
+        out: OutPtr(out.as_mut_ptr()),
+        lse: OutPtr(lse.as_mut_ptr()),
+    };
+    let nthreads = nthreads.min(ctx.units);
+    if nthreads <= 1 {
+        worker(&ctx);
     } else {
         std::thread::scope(|s| {
-            let worker = &worker;
-            let handles: Vec<_> = (1..nthreads).map(|t| s.spawn(move || worker(t))).collect();
-            let mut all = vec![worker(0)];
-            all.extend(
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("flashcore: CPU worker panicked")),
-            );
-            all
-        })
-    };
-    for (bi, h, o_head, l_head) in results.into_iter().flatten() {
-        for i in 0..sq {
-            let dst = ((bi * sq + i) * hq + h) * d;
-            for x in 0..d {
-                out[dst + x] = T::from_f64(o_head[i * d + x].f64());
+            let ctx = &ctx;
+            for _ in 1..nthreads {
+                s.spawn(move || worker(ctx));
             }
-        }
-        lse[(bi * hq + h) * sq..(bi * hq + h + 1) * sq].copy_from_slice(&l_head);
+            worker(ctx);
+        });
     }
+    drop(ctx);
     (out, lse)
 }
 
