@@ -4,6 +4,13 @@
 //!
 //!   cargo run --release --features cuda --example bench -- --grid fa3 --backend all
 //!   cargo run --release --example bench            (CPU, default problem)
+//!   ... --grid fa3 --head-dim 96                   (any head dim; fa3 heads = 2048 / d)
+//!   ... --varlen mixed:64:128:4096 --shape 0,32,8,0,0,128 --causal
+//!       (a packed batch: `varlen` runs attention_varlen, `padded` the dense call on the batch
+//!        padded to its longest sequence; TFLOPS count the useful work of both)
+//!   ... --grid llama --paged 64
+//!       (`paged` runs attention_paged over pools of 64-row pages in shuffled order holding the
+//!        same K/V as the contiguous `flashcore` call; JSON lines gain `page`)
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -57,9 +64,99 @@ struct Args {
     /// Softcap every problem's scores: `c * tanh(s / c)` (Gemma 2 uses 50).
     #[arg(long)]
     softcap: Option<f32>,
+    /// Run every problem at this head dim (any multiple of 8 up to 256; the fa3 grid then takes
+    /// 2048 / d heads, as `sdpa_anchor.py --head-dims`).
+    #[arg(long)]
+    head_dim: Option<usize>,
+    /// A packed batch of these sequence lengths (q = k per sequence): `L1,L2,...`,
+    /// `mixed:N:MIN:MAX` (N lengths drawn uniformly, seeded), `equal:N:L`, or `file:PATH` (a
+    /// comma-separated list, e.g. ../shared/bench/mixed-lengths.txt). Heads and head dim from
+    /// --shape (b, sq, sk ignored) or 32/8/128; --causal applies.
+    #[arg(long)]
+    varlen: Option<String>,
+    /// Also time every dense problem through a paged KV cache of this page size (backend
+    /// `paged`: the same K/V in pages of a pool in shuffled order) beside the contiguous
+    /// `flashcore` call; --backend all then means flashcore and paged.
+    #[arg(long)]
+    paged: Option<usize>,
 }
 
-#[derive(Clone, Copy, Debug)]
+/// K/V `(b, sk, hkv, d)` as pools of `page_size`-row pages in a shuffled (seeded) order, with
+/// the page table `(b, max_pages)` and the lengths: what `attention_paged` reads.
+struct Pages {
+    k: Tensor,
+    v: Tensor,
+    table: Tensor,
+    lens: Tensor,
+}
+
+fn to_pages(k: &Tensor, v: &Tensor, page_size: usize, seed: u64) -> Result<Pages> {
+    let (b, sk, hkv, d) = k.dims4()?;
+    let mp = sk.div_ceil(page_size);
+    let np = b * mp;
+    // pool page i holds logical page perm[i] (sequence perm[i] / mp, its page perm[i] % mp)
+    let mut perm: Vec<u32> = (0..np as u32).collect();
+    let mut x = seed | 1;
+    for i in (1..np).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        perm.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    let mut table = vec![0u32; np];
+    for (i, &l) in perm.iter().enumerate() {
+        table[l as usize] = i as u32;
+    }
+    let dev = k.device();
+    let idx = Tensor::new(perm.as_slice(), dev)?;
+    let pool = |t: &Tensor| -> Result<Tensor> {
+        let pad = mp * page_size - sk;
+        let t = if pad > 0 {
+            Tensor::cat(&[t, &Tensor::zeros((b, pad, hkv, d), t.dtype(), dev)?], 1)?
+        } else {
+            t.clone()
+        };
+        Ok(t.reshape((np, page_size, hkv, d))?.index_select(&idx, 0)?)
+    };
+    Ok(Pages {
+        k: pool(k)?,
+        v: pool(v)?,
+        table: Tensor::from_vec(table, (b, mp), dev)?,
+        lens: Tensor::new(vec![sk as u32; b].as_slice(), dev)?,
+    })
+}
+
+/// Sequence lengths of `--varlen`.
+fn varlen_lengths(spec: &str) -> Result<Vec<usize>> {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let num = |x: &str| -> Result<usize> { Ok(x.trim().parse()?) };
+    Ok(match parts[..] {
+        ["mixed", n, lo, hi] => {
+            let (n, lo, hi) = (num(n)?, num(lo)?, num(hi)?);
+            if lo > hi {
+                bail!("--varlen mixed:N:MIN:MAX needs MIN <= MAX, got {spec:?}");
+            }
+            // A small LCG: the same lengths on every machine.
+            let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+            (0..n)
+                .map(|_| {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    lo + ((x >> 33) as usize) % (hi - lo + 1)
+                })
+                .collect()
+        }
+        ["equal", n, l] => vec![num(l)?; num(n)?],
+        ["file", path] => std::fs::read_to_string(path)?
+            .split(',')
+            .map(num)
+            .collect::<Result<_>>()?,
+        _ => spec.split(',').map(num).collect::<Result<_>>()?,
+    })
+}
+
+#[derive(Clone, Debug)]
 struct Problem {
     b: usize,
     hq: usize,
@@ -68,10 +165,22 @@ struct Problem {
     sk: usize,
     d: usize,
     causal: bool,
+    /// A packed batch of these lengths (b = count, sq = sk = the longest).
+    lens: Option<Vec<usize>>,
 }
 
 impl Problem {
     fn flops(&self) -> f64 {
+        if let Some(lens) = &self.lens {
+            let one = |l: usize| Problem {
+                b: 1,
+                sq: l,
+                sk: l,
+                lens: None,
+                ..self.clone()
+            };
+            return lens.iter().map(|&l| one(l).flops()).sum();
+        }
         let avg_sk = if self.causal {
             ((self.sk.saturating_sub(self.sq)) + self.sk) as f64 / 2.0
         } else {
@@ -80,6 +189,10 @@ impl Problem {
         4.0 * (self.b * self.hq * self.sq) as f64 * avg_sk * self.d as f64
     }
     fn bytes(&self, elem: usize) -> f64 {
+        if let Some(lens) = &self.lens {
+            let t: usize = lens.iter().sum();
+            return (elem * (2 * t * self.hq * self.d + 2 * t * self.hkv * self.d)) as f64;
+        }
         (elem
             * (2 * self.b * self.sq * self.hq * self.d + 2 * self.b * self.sk * self.hkv * self.d))
             as f64
@@ -101,6 +214,7 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                             sk: s,
                             d,
                             causal,
+                            lens: None,
                         });
                     }
                 }
@@ -115,6 +229,7 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                 sk: 2048,
                 d: 64,
                 causal: false,
+                lens: None,
             });
             v.push(Problem {
                 b: 1,
@@ -124,6 +239,7 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                 sk: 512,
                 d: 64,
                 causal: false,
+                lens: None,
             });
         }
         "llama" => {
@@ -135,6 +251,7 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                 sk: 4096,
                 d: 128,
                 causal: true,
+                lens: None,
             });
             for b in [1, 8, 64] {
                 for sk in [4096, 8192, 32768] {
@@ -146,6 +263,7 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                         sk,
                         d: 128,
                         causal: false,
+                        lens: None,
                     });
                 }
             }
@@ -278,7 +396,36 @@ fn main() -> Result<()> {
     if args.force_arch.is_some() {
         bail!("--force-arch needs a build with the `cuda` feature");
     }
-    let problems = if let Some(s) = &args.shape {
+    let mut problems = if let Some(spec) = &args.varlen {
+        let lens = varlen_lengths(spec)?;
+        if lens.is_empty() {
+            bail!("--varlen gave no lengths: {spec:?}");
+        }
+        let (hq, hkv, d) = match &args.shape {
+            Some(s) => {
+                let n: Vec<usize> = s
+                    .split(',')
+                    .map(|x| x.trim().parse())
+                    .collect::<std::result::Result<_, _>>()?;
+                let [_, hq, hkv, _, _, d] = n[..] else {
+                    bail!("--shape takes b,hq,hkv,sq,sk,d, got {s:?}")
+                };
+                (hq, hkv, d)
+            }
+            None => (32, 8, 128),
+        };
+        let max = *lens.iter().max().unwrap_or(&0);
+        vec![Problem {
+            b: lens.len(),
+            hq,
+            hkv,
+            sq: max,
+            sk: max,
+            d,
+            causal: args.causal,
+            lens: Some(lens),
+        }]
+    } else if let Some(s) = &args.shape {
         let n: Vec<usize> = s
             .split(',')
             .map(|x| x.trim().parse())
@@ -294,6 +441,7 @@ fn main() -> Result<()> {
             sk,
             d,
             causal: args.causal,
+            lens: None,
         }]
     } else if let Some(g) = &args.grid {
         g.split(',').map(grid).collect::<Result<Vec<_>>>()?.concat()
@@ -306,6 +454,7 @@ fn main() -> Result<()> {
             sk: 512,
             d: 64,
             causal: true,
+            lens: None,
         }]
     } else {
         vec![Problem {
@@ -316,13 +465,29 @@ fn main() -> Result<()> {
             sk: 2048,
             d: 64,
             causal: false,
+            lens: None,
         }]
     };
+    if let Some(d) = args.head_dim {
+        let fa3 = args.grid.as_deref().is_some_and(|g| g.contains("fa3"));
+        for p in problems.iter_mut() {
+            if fa3 && p.lens.is_none() && p.sq * p.b == 16384 {
+                p.hq = (2048 / d).max(1);
+                p.hkv = p.hq;
+            }
+            p.d = d;
+        }
+        // The fa3 grid lists each shape at d64/128/256: at one head dim those coincide.
+        let mut seen = std::collections::HashSet::new();
+        problems.retain(|p| seen.insert(format!("{p:?}")));
+    }
     let backends: Vec<&str> = match args.backend.as_str() {
+        "all" if args.paged.is_some() => vec!["flashcore", "paged"],
         "all" => vec!["flashcore", "eager"],
+        "paged" if args.paged.is_some() => vec!["paged"],
         "flashcore" => vec!["flashcore"],
         "eager" => vec!["eager"],
-        b => bail!("--backend must be flashcore, eager or all, got {b:?}"),
+        b => bail!("--backend must be flashcore, eager, all (or paged with --paged), got {b:?}"),
     };
     if !args.json {
         println!(
@@ -332,6 +497,10 @@ fn main() -> Result<()> {
         );
     }
     for p in problems {
+        if p.lens.is_some() {
+            run_varlen(&args, &dev, dtype, &p)?;
+            continue;
+        }
         // Enough input sets to exceed the L2 cache (50 MB on an H100) between reuses.
         let set_bytes = p.bytes(dtype.size_in_bytes());
         let nsets = if dev.is_cpu() {
@@ -354,16 +523,36 @@ fn main() -> Result<()> {
             softcap: args.softcap,
             ..Default::default()
         };
+        let pages = match args.paged {
+            Some(ps) if backends.contains(&"paged") => {
+                if ps == 0 {
+                    bail!("--paged takes a page size >= 1");
+                }
+                sets.iter()
+                    .enumerate()
+                    .map(|(i, (_, k, v))| to_pages(k, v, ps, 0x9E37_79B9 + i as u64))
+                    .collect::<Result<Vec<_>>>()?
+            }
+            _ => Vec::new(),
+        };
         for &backend in &backends {
             let run = |i: usize| -> candle_core::Result<Tensor> {
                 let (q, k, v) = &sets[i % nsets];
-                if backend == "eager" {
-                    flashcore::attention_slow(q, k, v, &params)
-                } else {
-                    flashcore::attention(q, k, v, &params)
+                match backend {
+                    "eager" => flashcore::attention_slow(q, k, v, &params),
+                    "paged" => {
+                        let pg = &pages[i % nsets];
+                        flashcore::attention_paged(q, &pg.k, &pg.v, &pg.table, &pg.lens, &params)
+                    }
+                    _ => flashcore::attention(q, k, v, &params),
                 }
             };
             let arch = arch_name(backend, &dev, &params, &sets[0]);
+            let page = match (args.paged, backend) {
+                (None, _) => String::new(),
+                (Some(ps), "paged") => format!(",\"page\":{ps}"),
+                (Some(_), _) => ",\"page\":null".into(),
+            };
             let call = |i: usize| -> Result<()> {
                 run(i)?;
                 Ok(())
@@ -392,7 +581,7 @@ fn main() -> Result<()> {
             let gbps = p.bytes(dtype.size_in_bytes()) / us / 1e3;
             if args.json {
                 println!(
-                    "{{\"backend\":\"{backend}\",\"arch\":\"{arch}\",\"dtype\":\"{}\",\"b\":{},\"hq\":{},\"hkv\":{},\"sq\":{},\"sk\":{},\"d\":{},\"causal\":{},\"softcap\":{},\"us\":{},\"tflops\":{},\"gbps\":{},\"max_err\":{},\"timing\":\"{}\",\"status\":\"{status}\"}}",
+                    "{{\"backend\":\"{backend}\",\"arch\":\"{arch}\",\"dtype\":\"{}\",\"b\":{},\"hq\":{},\"hkv\":{},\"sq\":{},\"sk\":{},\"d\":{},\"causal\":{},\"softcap\":{},\"us\":{},\"tflops\":{},\"gbps\":{},\"max_err\":{},\"timing\":\"{}\",\"status\":\"{status}\"{page}}}",
                     args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d, p.causal, args.softcap.unwrap_or(0.0),
                     json_num(us), json_num(tflops), json_num(gbps), err.map_or("null".into(), json_num),
                     args.timing
@@ -405,11 +594,118 @@ fn main() -> Result<()> {
                 };
                 let e = err.map_or(String::new(), |e| format!("  max_err {e:.2e}"));
                 println!(
-                    "[{status}] {backend:<9} {arch:<6} {} b{} h{}/{} s{}/{} d{}{}{} : {us:9.1} us {perf}{e}",
+                    "[{status}] {backend:<9} {arch:<6} {} b{} h{}/{} s{}/{} d{}{}{}{} : {us:9.1} us {perf}{e}",
                     args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d, if p.causal { " causal" } else { "" },
-                    args.softcap.map_or(String::new(), |c| format!(" softcap {c}"))
+                    args.softcap.map_or(String::new(), |c| format!(" softcap {c}")),
+                    match (args.paged, backend) { (Some(ps), "paged") => format!(" page {ps}"), _ => String::new() }
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// A packed batch (`--varlen`): `varlen` times one attention_varlen call over the packed
+/// sequences, `padded` the dense call on the batch padded to its longest sequence (what a caller
+/// without varlen pays); both report TFLOPS of the useful (unpadded) work. `--verify` compares
+/// the varlen output of the first and last sequences with the CPU reference.
+fn run_varlen(args: &Args, dev: &Device, dtype: DType, p: &Problem) -> Result<()> {
+    let lens = p.lens.clone().unwrap_or_default();
+    let total: usize = lens.iter().sum();
+    let max = p.sq;
+    let mut cu = vec![0u32];
+    for &l in &lens {
+        cu.push(cu.last().unwrap() + l as u32);
+    }
+    let cu = Tensor::new(cu.as_slice(), dev)?;
+    let r = |s: &[usize]| -> candle_core::Result<Tensor> {
+        Tensor::randn(0f32, 1., s, dev)?.to_dtype(dtype)
+    };
+    let (q, k, v) = (
+        r(&[total, p.hq, p.d])?,
+        r(&[total, p.hkv, p.d])?,
+        r(&[total, p.hkv, p.d])?,
+    );
+    let params = AttnParams {
+        mask: if p.causal { Mask::Causal } else { Mask::None },
+        softcap: args.softcap,
+        ..Default::default()
+    };
+    let padded_tokens = lens.len() * max;
+    for backend in ["varlen", "padded"] {
+        let dense = if backend == "padded" {
+            Some((
+                r(&[lens.len(), max, p.hq, p.d])?,
+                r(&[lens.len(), max, p.hkv, p.d])?,
+                r(&[lens.len(), max, p.hkv, p.d])?,
+            ))
+        } else {
+            None
+        };
+        let run = || -> candle_core::Result<Tensor> {
+            match &dense {
+                Some((q, k, v)) => flashcore::attention(q, k, v, &params),
+                None => flashcore::attention_varlen(&q, &k, &v, &cu, &cu, max, max, &params),
+            }
+        };
+        let call = |_: usize| -> Result<()> {
+            run()?;
+            Ok(())
+        };
+        let res = match (args.timing.as_str(), dev.is_cuda()) {
+            #[cfg(feature = "cuda")]
+            ("flush", true) => time_events(dev, args.reps, args.heat, call),
+            ("flush", _) | ("batch", _) => time_it(dev, args.reps, call),
+            (t, _) => bail!("--timing must be flush or batch, got {t:?}"),
+        };
+        let (status, us) = match res {
+            Ok(us) => ("OK", us),
+            Err(e) => {
+                eprintln!("{backend} {} sequences: {e}", lens.len());
+                ("ERR", f64::NAN)
+            }
+        };
+        let err = if args.verify && backend == "varlen" && status == "OK" {
+            let o = run()?;
+            let mut worst = 0f64;
+            for i in [0, lens.len() - 1] {
+                let (a, l) = (cu.get(i)?.to_scalar::<u32>()? as usize, lens[i]);
+                if l == 0 {
+                    continue;
+                }
+                let cpu = Device::Cpu;
+                let f = |t: &Tensor| -> candle_core::Result<Tensor> {
+                    t.narrow(0, a, l)?
+                        .unsqueeze(0)?
+                        .to_device(&cpu)?
+                        .to_dtype(DType::F32)
+                };
+                let want = flashcore::attention(&f(&q)?, &f(&k)?, &f(&v)?, &params)?;
+                let got = f(&o)?;
+                let e = (got - want)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f32>()? as f64;
+                worst = worst.max(e);
+            }
+            Some(worst)
+        } else {
+            None
+        };
+        let tflops = p.flops() / us / 1e6;
+        if args.json {
+            println!(
+                "{{\"backend\":\"{backend}\",\"arch\":\"varlen\",\"dtype\":\"{}\",\"b\":{},\"hq\":{},\"hkv\":{},\"sq\":{},\"sk\":{},\"d\":{},\"causal\":{},\"softcap\":{},\"us\":{},\"tflops\":{},\"gbps\":null,\"max_err\":{},\"timing\":\"{}\",\"status\":\"{status}\",\"varlen\":true,\"tokens\":{total},\"padded_tokens\":{padded_tokens}}}",
+                args.dtype, lens.len(), p.hq, p.hkv, max, max, p.d, p.causal, args.softcap.unwrap_or(0.0),
+                json_num(us), json_num(tflops), err.map_or("null".into(), json_num), args.timing
+            );
+        } else {
+            let e = err.map_or(String::new(), |e| format!("  max_err {e:.2e}"));
+            println!(
+                "[{status}] {backend:<9} {} {} seqs ({total} tokens, padded {padded_tokens}) h{}/{} d{}{} : {us:9.1} us {tflops:6.1} TFLOPS{e}",
+                args.dtype, lens.len(), p.hq, p.hkv, p.d, if p.causal { " causal" } else { "" }
+            );
         }
     }
     Ok(())

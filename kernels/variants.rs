@@ -136,13 +136,22 @@ impl Variant {
         self.is_family("sm80")
             && !(matches!(self.kind, KKind::Fwd) && self.head_dim == 128 && self.block_n == 48)
     }
-    /// Whether this variant takes a problem with (`cap`) or without a softcap.
-    pub const fn admits_softcap(&self, cap: bool) -> bool {
+    /// Whether this variant takes a problem. `modifiers`: softcap or ALiBi; `general`: a packed
+    /// (varlen) batch or a head dim below the kernel's. sm80 forward kernels run both in their
+    /// general body (`has_cap_body`; `fc_sm80::fwd_general`), so a tile without one passes them
+    /// to its `_cap` twin; sm90 kernels run varlen and smaller head dims in every kernel and the
+    /// score modifiers in their `_cap` twins only.
+    pub const fn admits(&self, modifiers: bool, general: bool) -> bool {
+        let needs = if self.is_family("sm80") { modifiers || general } else { modifiers };
         if self.softcap {
-            cap
+            needs
         } else {
-            !cap || self.has_cap_body()
+            !needs || self.has_cap_body()
         }
+    }
+    /// Whether this variant takes a dense problem with (`cap`) or without a softcap.
+    pub const fn admits_softcap(&self, cap: bool) -> bool {
+        self.admits(cap, false)
     }
     pub const fn threads(&self) -> u32 {
         self.warps * 32
@@ -195,7 +204,9 @@ pub struct Family {
 pub const FAMILIES: &[Family] = &[
     Family {
         name: "sm80",
-        headers: &["common/util.cuh"],
+        // util: the poisoning fills; seqlens: the varlen / paged check kernel
+        // (fc_check_seqlens); paged: the paged cache's append and gather kernels.
+        headers: &["common/util.cuh", "common/seqlens.cuh", "common/paged.cuh"],
         gencode: &[
             "arch=compute_80,code=sm_80",
             "arch=compute_86,code=sm_86",

@@ -22,6 +22,22 @@
 //! A query row that sees no key (possible when `seq_q > seq_k` under a causal mask) outputs zeros
 //! and its log-sum-exp is `-inf`; never NaN.
 //!
+//! ## Packed batches of different lengths
+//! [`attention_varlen`] takes sequences packed along the rows, `q` `(total_q, heads_q, head_dim)`
+//! and `k`/`v` `(total_k, heads_kv, head_dim)`, with u32 prefix sums `cu_seqlens_q` /
+//! `cu_seqlens_k` of shape `(batch + 1,)` (as candle-flash-attn's `flash_attn_varlen`): sequence
+//! `i` has query rows `cu_q[i]..cu_q[i + 1]` and keys `cu_k[i]..cu_k[i + 1]`, and every option
+//! applies per sequence with that sequence's own `seq_q` and `seq_k` (bottom-right masks
+//! included). Lengths may be 0 on either side. On the CPU the sums are fully checked (start at 0,
+//! non-decreasing, end at the row counts, every length within `max_seqlen_*`); on a GPU that would
+//! need a device sync, so the kernels clamp every range into the tensors (never reading or writing
+//! outside them) and a check kernel fills the whole output and LSE with NaN if the sums lie.
+//!
+//! ## Head dims
+//! Every multiple of 8 up to 256 runs everywhere. The GPU kernels are compiled for 64, 128 and
+//! 256; other head dims run on the next one up with the extra columns zero-filled in shared
+//! memory (no copy; the compute of the padded columns is spent).
+//!
 //! ## Scores
 //! `s = softmax_scale * q . k`; then, if `softcap` is set, `s = softcap * tanh(s / softcap)`; then,
 //! with ALiBi slopes, `s -= slope[h] * |j - (i + seq_k - seq_q)|`; then the mask; then the softmax.
@@ -50,7 +66,7 @@ mod reference;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-pub use params::{AttnParams, Mask, SUPPORTED_HEAD_DIMS};
+pub use params::{AttnParams, Mask, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS};
 
 use candle_core::{Result, Tensor};
 
@@ -88,6 +104,204 @@ pub fn attention_with_lse(
     let lse =
         lse.ok_or_else(|| candle_core::Error::Msg("flashcore: internal: lse missing".into()))?;
     Ok((o, lse))
+}
+
+/// Attention over a packed batch of sequences of different lengths (see the crate docs): q
+/// `(total_q, heads_q, head_dim)`, k/v `(total_k, heads_kv, head_dim)`, `cu_seqlens_q` /
+/// `cu_seqlens_k` u32 `(batch + 1,)` prefix sums on q's device, `max_seqlen_q` / `max_seqlen_k`
+/// at least every sequence's length. Returns `(total_q, heads_q, head_dim)`. ALiBi slopes may be
+/// `(heads_q,)` or `(batch, heads_q)`. One kernel launch for the whole batch on the GPU.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_seqlens_q: &Tensor,
+    cu_seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    params: &AttnParams,
+) -> Result<Tensor> {
+    let seqs = op::Varlen {
+        cu_q: cu_seqlens_q,
+        cu_k: cu_seqlens_k,
+        max_q: max_seqlen_q,
+        max_k: max_seqlen_k,
+    };
+    op::run_varlen(q, k, v, &seqs, params, false).map(|(o, _)| o)
+}
+
+/// Like [`attention_varlen`], also returning the log-sum-exp of each query row, `(heads_q,
+/// total_q)` f32 (natural log; `-inf` for rows that see no key).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_varlen_with_lse(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_seqlens_q: &Tensor,
+    cu_seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    params: &AttnParams,
+) -> Result<(Tensor, Tensor)> {
+    let seqs = op::Varlen {
+        cu_q: cu_seqlens_q,
+        cu_k: cu_seqlens_k,
+        max_q: max_seqlen_q,
+        max_k: max_seqlen_k,
+    };
+    let (o, lse) = op::run_varlen(q, k, v, &seqs, params, true)?;
+    let lse =
+        lse.ok_or_else(|| candle_core::Error::Msg("flashcore: internal: lse missing".into()))?;
+    Ok((o, lse))
+}
+
+/// Attention over a paged KV cache (as vLLM, FlashInfer and FlashAttention's `page_table` /
+/// `block_table`): q `(batch, seq_q, heads_q, head_dim)`; `k_pages` / `v_pages` pools `(num_pages,
+/// page_size, heads_kv, head_dim)`; `page_table` u32 `(batch, max_pages_per_seq)`, sequence `i`'s
+/// key `j` living in row `j % page_size` of page `page_table[i][j / page_size]`; `seqlens_k` u32
+/// `(batch,)` the keys of each sequence (at most `max_pages_per_seq * page_size`). All on q's
+/// device. Every option applies as in [`attention`], with each sequence's own `seq_k` (masks stay
+/// bottom-right: the new queries are the last `seq_q` positions of the sequence). Any page size
+/// works (16 and 64 are what serving engines use). Returns `(batch, seq_q, heads_q, head_dim)`.
+///
+/// Checks: on the CPU every table value is checked on the host (a page id outside the pool, or a
+/// length beyond the table, is an error naming the argument). On a GPU reading the tables would
+/// cost a device sync: the kernels clamp every page id into the pool and every length into the
+/// table, so nothing outside the pools is ever read, and a check kernel fills the whole output
+/// (and LSE) with NaN when a table lies. On the GPU, `seq_q <= 16` (decode) reads K/V through the
+/// page table inside the split-KV kernel; longer queries gather the pages into a dense scratch
+/// first (one copy of the batch's keys, `batch * max_pages_per_seq * page_size` rows) and run the
+/// prefill kernels on it.
+pub fn attention_paged(
+    q: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    seqlens_k: &Tensor,
+    params: &AttnParams,
+) -> Result<Tensor> {
+    let kv = op::PagedKv {
+        k_pages,
+        v_pages,
+        page_table,
+        seqlens_k,
+    };
+    op::run_paged(q, &kv, None, params, false).map(|(o, _)| o)
+}
+
+/// Like [`attention_paged`], also returning the log-sum-exp `(batch, heads_q, seq_q)` f32.
+pub fn attention_paged_with_lse(
+    q: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    seqlens_k: &Tensor,
+    params: &AttnParams,
+) -> Result<(Tensor, Tensor)> {
+    let kv = op::PagedKv {
+        k_pages,
+        v_pages,
+        page_table,
+        seqlens_k,
+    };
+    let (o, lse) = op::run_paged(q, &kv, None, params, true)?;
+    Ok((o, lse_or_internal(lse)?))
+}
+
+/// [`attention_paged`] with packed queries of different lengths, for chunked prefill over a
+/// cached prefix and mixed prefill/decode batches: q `(total_q, heads_q, head_dim)` with u32
+/// prefix sums `cu_seqlens_q` `(batch + 1,)` and `max_seqlen_q` bounding every sequence's query
+/// rows (as [`attention_varlen`]); the keys come from the paged cache (sequence `i` has
+/// `seqlens_k[i]` keys, its queries being the last `seq_q_i` of them under the bottom-right
+/// masks). Returns `(total_q, heads_q, head_dim)`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_paged_varlen(
+    q: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    seqlens_k: &Tensor,
+    cu_seqlens_q: &Tensor,
+    max_seqlen_q: usize,
+    params: &AttnParams,
+) -> Result<Tensor> {
+    let kv = op::PagedKv {
+        k_pages,
+        v_pages,
+        page_table,
+        seqlens_k,
+    };
+    op::run_paged(q, &kv, Some((cu_seqlens_q, max_seqlen_q)), params, false).map(|(o, _)| o)
+}
+
+/// Like [`attention_paged_varlen`], also returning the log-sum-exp `(heads_q, total_q)` f32.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_paged_varlen_with_lse(
+    q: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    seqlens_k: &Tensor,
+    cu_seqlens_q: &Tensor,
+    max_seqlen_q: usize,
+    params: &AttnParams,
+) -> Result<(Tensor, Tensor)> {
+    let kv = op::PagedKv {
+        k_pages,
+        v_pages,
+        page_table,
+        seqlens_k,
+    };
+    let (o, lse) = op::run_paged(q, &kv, Some((cu_seqlens_q, max_seqlen_q)), params, true)?;
+    Ok((o, lse_or_internal(lse)?))
+}
+
+/// Writes new keys and values into paged pools in place: `k_new` / `v_new` `(batch, n_new,
+/// heads_kv, head_dim)`, row `j` of sequence `i` going to position `positions[i] + j` (u32
+/// `(batch,)`, usually the sequence's length before the append), i.e. row `pos % page_size` of
+/// page `page_table[i][pos / page_size]`. Pools `(num_pages, page_size, heads_kv, head_dim)` of
+/// the new rows' dtype; the tables on the pools' device. One launch per pool for the whole batch
+/// on the GPU. On the CPU every position and page id is checked (an error names the argument and
+/// nothing is written); on a GPU a row whose position is beyond the table or whose page id is not
+/// a page of the pool is skipped (never written outside the pool), unchecked.
+pub fn append_kv_paged(
+    k_new: &Tensor,
+    v_new: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    positions: &Tensor,
+) -> Result<()> {
+    op::append_kv_paged(k_new, v_new, k_pages, v_pages, page_table, positions, None)
+}
+
+/// [`append_kv_paged`] for packed new rows of different counts: `k_new` / `v_new` `(total_new,
+/// heads_kv, head_dim)` with u32 prefix sums `cu_seqlens_new` `(batch + 1,)`; sequence `i`'s rows
+/// `cu[i]..cu[i + 1]` go to positions `positions[i]..`.
+#[allow(clippy::too_many_arguments)]
+pub fn append_kv_paged_varlen(
+    k_new: &Tensor,
+    v_new: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    cu_seqlens_new: &Tensor,
+    positions: &Tensor,
+) -> Result<()> {
+    op::append_kv_paged(
+        k_new,
+        v_new,
+        k_pages,
+        v_pages,
+        page_table,
+        positions,
+        Some(cu_seqlens_new),
+    )
+}
+
+fn lse_or_internal(lse: Option<Tensor>) -> Result<Tensor> {
+    lse.ok_or_else(|| candle_core::Error::Msg("flashcore: internal: lse missing".into()))
 }
 
 /// The same function as [`attention`] composed of plain candle ops (matmul, mask, softmax,

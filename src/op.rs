@@ -1,24 +1,104 @@
-//! The `CustomOp3` over (q, k, v): CPU reference path and CUDA dispatch.
+//! The `CustomOp3` over (q, k, v): CPU reference path and CUDA dispatch, for dense and packed
+//! (variable-length) batches.
 
-use crate::params::{validate, AttnParams, Problem};
+use crate::params::{
+    check_cu_seqlens, check_pages, validate, validate_paged, validate_varlen, AttnParams, Keys,
+    Problem, Seqs,
+};
 use crate::reference;
 use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 use std::sync::{Arc, Mutex};
 
+/// The tensors beside q/k/v that a launch reads (on q's device): ALiBi slopes; for a packed
+/// batch the prefix sums (`cu_k` only when the keys are rows of k/v); for a paged cache the page
+/// table and the keys of each sequence.
+#[derive(Clone, Default)]
+pub(crate) struct Extra {
+    pub alibi_slopes: Option<Tensor>,
+    pub cu_q: Option<Tensor>,
+    pub cu_k: Option<Tensor>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub page_table: Option<Tensor>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub seqlens_k: Option<Tensor>,
+}
+
 pub(crate) struct FlashAttn {
     pub problem: Problem,
-    pub alibi_slopes: Option<Tensor>,
+    pub extra: Extra,
     /// Set by the forward when the caller asked for the log-sum-exp.
     pub want_lse: bool,
     pub lse: Arc<Mutex<Option<Storage>>>,
+}
+
+/// A packed batch's description as the caller gives it.
+pub(crate) struct Varlen<'a> {
+    pub cu_q: &'a Tensor,
+    pub cu_k: &'a Tensor,
+    pub max_q: usize,
+    pub max_k: usize,
+}
+
+/// One sequence of a batch on the CPU: its first query row / key row (packed) or batch index
+/// (dense, with the rows at 0), and its lengths.
+struct SeqSpan {
+    bi: usize,
+    q0: usize,
+    sq: usize,
+    k0: usize,
+    sk: usize,
 }
 
 impl FlashAttn {
     fn stash_lse(&self, s: Storage) {
         if self.want_lse {
             *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
+        }
+    }
+
+    /// The sequences of the batch on the CPU (prefix sums read and checked on the host).
+    fn cpu_spans(&self) -> Result<Vec<SeqSpan>> {
+        let p = &self.problem;
+        match p.seqs {
+            Seqs::Dense => Ok((0..p.b)
+                .map(|bi| SeqSpan {
+                    bi,
+                    q0: 0,
+                    sq: p.sq,
+                    k0: 0,
+                    sk: p.sk,
+                })
+                .collect()),
+            Seqs::Varlen { total_q, total_k } => {
+                let (Some(cq), Some(ck)) = (&self.extra.cu_q, &self.extra.cu_k) else {
+                    candle_core::bail!("flashcore: internal: cu_seqlens missing")
+                };
+                let cq = check_cu_seqlens(
+                    "cu_seqlens_q",
+                    "max_seqlen_q",
+                    &cq.to_vec1::<u32>()?,
+                    total_q,
+                    p.sq,
+                )?;
+                let ck = check_cu_seqlens(
+                    "cu_seqlens_k",
+                    "max_seqlen_k",
+                    &ck.to_vec1::<u32>()?,
+                    total_k,
+                    p.sk,
+                )?;
+                Ok((0..p.b)
+                    .map(|bi| SeqSpan {
+                        bi,
+                        q0: cq[bi],
+                        sq: cq[bi + 1] - cq[bi],
+                        k0: ck[bi],
+                        sk: ck[bi + 1] - ck[bi],
+                    })
+                    .collect())
+            }
         }
     }
 
@@ -29,18 +109,72 @@ impl FlashAttn {
         v: &[T],
         offsets: [usize; 3],
     ) -> Result<Vec<T>> {
-        let slopes = match &self.alibi_slopes {
-            Some(s) => Some(s.to_vec1::<f32>()?),
+        let p = &self.problem;
+        let slopes = match &self.extra.alibi_slopes {
+            Some(s) => Some(s.flatten_all()?.to_vec1::<f32>()?),
             None => None,
         };
-        let (q, k, v) = (&q[offsets[0]..], &k[offsets[1]..], &v[offsets[2]..]);
-        let (o, lse) = if T::DTYPE == DType::F64 {
-            reference::fused::<T, f64>(q, k, v, &self.problem, slopes.as_deref())
-        } else {
-            reference::fused::<T, f32>(q, k, v, &self.problem, slopes.as_deref())
+        let run = |q: &[T], k: &[T], v: &[T], prob: &Problem, slopes: Option<&[f32]>| {
+            if T::DTYPE == DType::F64 {
+                reference::fused::<T, f64>(q, k, v, prob, slopes)
+            } else {
+                reference::fused::<T, f32>(q, k, v, prob, slopes)
+            }
         };
+        if p.seqs == Seqs::Dense && !p.alibi_per_batch {
+            let (q, k, v) = (&q[offsets[0]..], &k[offsets[1]..], &v[offsets[2]..]);
+            let (o, lse) = run(q, k, v, p, slopes.as_deref());
+            self.stash_lse(Storage::Cpu(CpuStorage::F32(lse)));
+            return Ok(o);
+        }
+        // One sequence at a time: each is a batch of one at its own offsets and lengths.
+        let (total_q, _) = p.totals();
+        let (hq, d) = (p.hq, p.d);
+        let mut out = vec![T::zero(); total_q * hq * d];
+        let mut lse = vec![f32::NEG_INFINITY; total_q * hq];
+        for s in self.cpu_spans()? {
+            // No rows, or no keys: the rows stay zero with LSE -inf (and nothing is read).
+            if s.sq == 0 || s.sk == 0 {
+                continue;
+            }
+            let off = |o: usize, st: &[usize; 3], row0: usize| o + s.bi * st[0] + row0 * st[1];
+            let sub = Problem {
+                b: 1,
+                sq: s.sq,
+                sk: s.sk,
+                ..p.clone()
+            };
+            let sl = slopes.as_deref().map(|x| {
+                if p.alibi_per_batch {
+                    &x[s.bi * hq..(s.bi + 1) * hq]
+                } else {
+                    x
+                }
+            });
+            let (o, l) = run(
+                &q[off(offsets[0], &p.q_strides, s.q0)..],
+                &k[off(offsets[1], &p.k_strides, s.k0)..],
+                &v[off(offsets[2], &p.v_strides, s.k0)..],
+                &sub,
+                sl,
+            );
+            // O rows of the sequence are contiguous in both layouts.
+            let row0 = match p.seqs {
+                Seqs::Dense => s.bi * p.sq,
+                Seqs::Varlen { .. } => s.q0,
+            };
+            out[row0 * hq * d..(row0 + s.sq) * hq * d].copy_from_slice(&o);
+            for h in 0..hq {
+                let src = &l[h * s.sq..(h + 1) * s.sq];
+                let dst = match p.seqs {
+                    Seqs::Dense => (s.bi * hq + h) * p.sq,
+                    Seqs::Varlen { .. } => h * total_q + s.q0,
+                };
+                lse[dst..dst + s.sq].copy_from_slice(src);
+            }
+        }
         self.stash_lse(Storage::Cpu(CpuStorage::F32(lse)));
-        Ok(o)
+        Ok(out)
     }
 }
 
@@ -59,7 +193,7 @@ impl CustomOp3 for FlashAttn {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let offs = [l1.start_offset(), l2.start_offset(), l3.start_offset()];
-        let shape = Shape::from(self.problem.out_dims());
+        let shape = self.problem.out_shape();
         let out = match (s1, s2, s3) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
                 CpuStorage::F32(self.cpu_typed(q, k, v, offs)?)
@@ -91,58 +225,60 @@ impl CustomOp3 for FlashAttn {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (o, lse) = crate::cuda::forward(
-            &self.problem,
-            self.alibi_slopes.as_ref(),
-            (s1, l1),
-            (s2, l2),
-            (s3, l3),
-        )?;
+        let (o, lse) =
+            crate::cuda::forward(&self.problem, &self.extra, (s1, l1), (s2, l2), (s3, l3))?;
         self.stash_lse(Storage::Cuda(lse));
-        Ok((o, Shape::from(self.problem.out_dims())))
+        Ok((o, self.problem.out_shape()))
     }
 }
 
-fn strides3(t: &Tensor) -> [usize; 3] {
+/// (batch, row, head) strides of a dense tensor, or (0, row, head) of a packed one.
+fn strides_of(t: &Tensor) -> [usize; 3] {
     let s = t.stride();
-    [s[0], s[1], s[2]]
+    if t.rank() == 4 {
+        [s[0], s[1], s[2]]
+    } else {
+        [0, s[0], s[1]]
+    }
 }
 
-/// Validates, runs the op (recorded for backprop so that a backward pass fails loudly with
-/// `BackwardNotSupported`), and returns the output and, if asked, the log-sum-exp.
-pub(crate) fn run(
+/// The GPU kernels load 16-byte vectors: a view whose offset or strides are not multiples of 8
+/// elements is copied to a contiguous tensor first (the only copy flashcore ever makes).
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    let l = t.layout();
+    let rank = t.rank();
+    if t.device().is_cuda()
+        && (!l.start_offset().is_multiple_of(8)
+            || l.stride()[..rank - 1].iter().any(|s| !s.is_multiple_of(8)))
+    {
+        t.contiguous()
+    } else {
+        Ok(t.clone())
+    }
+}
+
+/// Runs the op (recorded for backprop so that a backward pass fails loudly with
+/// `BackwardNotSupported`) on a validated problem; returns the output and, if asked, the LSE.
+fn apply(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    params: &AttnParams,
+    problem: Problem,
+    extra: Extra,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let problem = validate(q, k, v, params)?;
-    // The GPU kernels load 16-byte vectors: a view whose offset or strides are not multiples of
-    // 8 elements is copied to a contiguous tensor first (the only copy flashcore ever makes).
-    let aligned = |t: &Tensor| -> Result<Tensor> {
-        let l = t.layout();
-        if t.device().is_cuda()
-            && (!l.start_offset().is_multiple_of(8)
-                || l.stride()[..3].iter().any(|s| !s.is_multiple_of(8)))
-        {
-            t.contiguous()
-        } else {
-            Ok(t.clone())
-        }
-    };
     let (q, k, v) = (&aligned(q)?, &aligned(k)?, &aligned(v)?);
     let problem = Problem {
-        q_strides: strides3(q),
-        k_strides: strides3(k),
-        v_strides: strides3(v),
+        q_strides: strides_of(q),
+        k_strides: strides_of(k),
+        v_strides: strides_of(v),
         ..problem
     };
-    let lse_shape = Shape::from((problem.b, problem.hq, problem.sq));
+    let lse_shape = problem.lse_shape();
     let slot = Arc::new(Mutex::new(None));
     let op = FlashAttn {
         problem,
-        alibi_slopes: params.alibi_slopes.clone(),
+        extra,
         want_lse,
         lse: slot.clone(),
     };
@@ -165,4 +301,382 @@ pub(crate) fn run(
         None
     };
     Ok((o, lse))
+}
+
+/// Validates a dense batch and runs it.
+pub(crate) fn run(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    params: &AttnParams,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let problem = validate(q, k, v, params)?;
+    let extra = Extra {
+        alibi_slopes: params.alibi_slopes.clone(),
+        ..Default::default()
+    };
+    apply(q, k, v, problem, extra, want_lse)
+}
+
+/// Validates a packed batch and runs it. Empty batches (no query rows, or no keys at all) are
+/// answered without a kernel.
+pub(crate) fn run_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqs: &Varlen,
+    params: &AttnParams,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let problem = validate_varlen(
+        q, k, v, seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, params,
+    )?;
+    let (total_q, total_k) = problem.totals();
+    if q.device().is_cpu() {
+        // The host can check the sums' values for free: do it before anything runs.
+        check_cu_seqlens(
+            "cu_seqlens_q",
+            "max_seqlen_q",
+            &seqs.cu_q.to_vec1::<u32>()?,
+            total_q,
+            problem.sq,
+        )?;
+        check_cu_seqlens(
+            "cu_seqlens_k",
+            "max_seqlen_k",
+            &seqs.cu_k.to_vec1::<u32>()?,
+            total_k,
+            problem.sk,
+        )?;
+    }
+    if total_q == 0 || total_k == 0 {
+        // Nothing to attend: every row (if any) sees no key.
+        let o = Tensor::zeros(problem.out_shape(), q.dtype(), q.device())?;
+        let lse = Tensor::full(f32::NEG_INFINITY, problem.lse_shape(), q.device())?;
+        return Ok((o, want_lse.then_some(lse)));
+    }
+    let extra = Extra {
+        alibi_slopes: params.alibi_slopes.clone(),
+        cu_q: Some(seqs.cu_q.clone()),
+        cu_k: Some(seqs.cu_k.clone()),
+        ..Default::default()
+    };
+    apply(q, k, v, problem, extra, want_lse)
+}
+
+/// A paged cache's description as the caller gives it.
+pub(crate) struct PagedKv<'a> {
+    pub k_pages: &'a Tensor,
+    pub v_pages: &'a Tensor,
+    pub page_table: &'a Tensor,
+    pub seqlens_k: &'a Tensor,
+}
+
+/// Validates attention over a paged cache and runs it: q dense `(b, sq, hq, d)`, or packed
+/// `(total_q, hq, d)` with `packed_q = Some((cu_seqlens_q, max_seqlen_q))`. On the CPU the tables
+/// are read and checked on the host and the pages gathered into a packed batch for the reference
+/// path; on a GPU the kernels read through the page table (`cuda::forward`).
+pub(crate) fn run_paged(
+    q: &Tensor,
+    kv: &PagedKv,
+    packed_q: Option<(&Tensor, usize)>,
+    params: &AttnParams,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let problem = validate_paged(
+        q,
+        kv.k_pages,
+        kv.v_pages,
+        kv.page_table,
+        kv.seqlens_k,
+        packed_q,
+        params,
+    )?;
+    if q.device().is_cpu() {
+        return cpu_paged(q, kv, packed_q, &problem, params, want_lse);
+    }
+    let (total_q, _) = problem.totals();
+    if total_q == 0 {
+        let o = Tensor::zeros(problem.out_shape(), q.dtype(), q.device())?;
+        let lse = Tensor::full(f32::NEG_INFINITY, problem.lse_shape(), q.device())?;
+        return Ok((o, want_lse.then_some(lse)));
+    }
+    let extra = Extra {
+        alibi_slopes: params.alibi_slopes.clone(),
+        cu_q: packed_q.map(|(c, _)| c.clone()),
+        cu_k: None,
+        page_table: Some(kv.page_table.clone()),
+        seqlens_k: Some(kv.seqlens_k.clone()),
+    };
+    apply(q, kv.k_pages, kv.v_pages, problem, extra, want_lse)
+}
+
+/// The CPU path of [`run_paged`]: every table value checked on the host (errors name the
+/// argument), each sequence's keys gathered from its pages into a packed batch, and the packed
+/// reference path run on it (dense q goes through it as `b` sequences of `sq` rows).
+fn cpu_paged(
+    q: &Tensor,
+    kv: &PagedKv,
+    packed_q: Option<(&Tensor, usize)>,
+    problem: &Problem,
+    params: &AttnParams,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let Keys::Paged {
+        page_size,
+        num_pages,
+        max_pages,
+    } = problem.keys
+    else {
+        candle_core::bail!("flashcore: internal: paged problem without pages")
+    };
+    let table = kv.page_table.flatten_all()?.to_vec1::<u32>()?;
+    let lens = check_pages(
+        &table,
+        &kv.seqlens_k.to_vec1::<u32>()?,
+        page_size,
+        num_pages,
+        max_pages,
+    )?;
+    let mut rows: Vec<u32> = Vec::with_capacity(lens.iter().sum());
+    for (i, &len) in lens.iter().enumerate() {
+        rows.extend((0..len).map(|j| {
+            let page = table[i * max_pages + j / page_size] as usize;
+            (page * page_size + j % page_size) as u32
+        }));
+    }
+    let (hkv, d) = (problem.hkv, problem.d);
+    let gather = |pool: &Tensor| -> Result<Tensor> {
+        let flat = pool.reshape((num_pages * page_size, hkv, d))?;
+        if rows.is_empty() {
+            return flat.narrow(0, 0, 0);
+        }
+        flat.index_select(&Tensor::new(rows.as_slice(), q.device())?, 0)
+    };
+    let (k, v) = (gather(kv.k_pages)?, gather(kv.v_pages)?);
+    let cu_k = Tensor::new(
+        crate::params::prefix_sums(lens.iter().copied()).as_slice(),
+        q.device(),
+    )?;
+    let max_k = lens.iter().copied().max().unwrap_or(0);
+    match packed_q {
+        Some((cu_q, max_q)) => {
+            let seqs = Varlen {
+                cu_q,
+                cu_k: &cu_k,
+                max_q,
+                max_k,
+            };
+            run_varlen(q, &k, &v, &seqs, params, want_lse)
+        }
+        None => {
+            let (b, sq, hq) = (problem.b, problem.sq, problem.hq);
+            let qp = q.reshape((b * sq, hq, d))?;
+            let cu_q = Tensor::new(
+                crate::params::prefix_sums(std::iter::repeat_n(sq, b)).as_slice(),
+                q.device(),
+            )?;
+            let seqs = Varlen {
+                cu_q: &cu_q,
+                cu_k: &cu_k,
+                max_q: sq,
+                max_k,
+            };
+            let (o, lse) = run_varlen(&qp, &k, &v, &seqs, params, want_lse)?;
+            let o = o.reshape((b, sq, hq, d))?;
+            let lse = lse
+                .map(|l| l.reshape((hq, b, sq))?.transpose(0, 1)?.contiguous())
+                .transpose()?;
+            Ok((o, lse))
+        }
+    }
+}
+
+/// New K or V rows written into a paged pool in place (`append_kv_paged`): the pool is the
+/// in-place destination, the new rows the source; the tables travel beside.
+pub(crate) struct AppendOp<'a> {
+    pub name: &'static str,
+    pub page_table: &'a Tensor,
+    pub positions: &'a Tensor,
+    /// Prefix sums of packed new rows, or `None` for a dense `(b, n_new, hkv, d)` source.
+    pub cu_new: Option<&'a Tensor>,
+    pub b: usize,
+    pub total: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub page_size: usize,
+    pub num_pages: usize,
+    pub max_pages: usize,
+}
+
+impl AppendOp<'_> {
+    /// (sequence, row within its new rows) of every new row, on the host.
+    fn host_rows(&self) -> Result<Vec<(usize, usize)>> {
+        match self.cu_new {
+            None => {
+                let n = self.total / self.b.max(1);
+                Ok((0..self.total).map(|r| (r / n, r % n)).collect())
+            }
+            Some(cu) => {
+                let cu = check_cu_seqlens(
+                    "cu_seqlens_new",
+                    "cu_seqlens_new",
+                    &cu.to_vec1::<u32>()?,
+                    self.total,
+                    usize::MAX,
+                )?;
+                let mut rows = Vec::with_capacity(self.total);
+                for i in 0..self.b {
+                    rows.extend((0..cu[i + 1] - cu[i]).map(|j| (i, j)));
+                }
+                Ok(rows)
+            }
+        }
+    }
+
+    /// Pool row (page * page_size + slot) of every new row, every value checked on the host.
+    fn host_slots(&self) -> Result<Vec<usize>> {
+        let table = self.page_table.flatten_all()?.to_vec1::<u32>()?;
+        let pos = self.positions.to_vec1::<u32>()?;
+        let cap = self.max_pages * self.page_size;
+        self.host_rows()?
+            .into_iter()
+            .map(|(i, j)| {
+                let at = pos[i] as usize + j;
+                if at >= cap {
+                    return Err(candle_core::Error::Msg(format!(
+                        "flashcore: positions: sequence {i} writes position {at} (positions[{i}] = {} + row {j}), beyond the page table's max_pages ({}) * page_size ({}) = {cap}",
+                        pos[i], self.max_pages, self.page_size
+                    )));
+                }
+                let page = table[i * self.max_pages + at / self.page_size] as usize;
+                if page >= self.num_pages {
+                    return Err(candle_core::Error::Msg(format!(
+                        "flashcore: page_table: every page written must be a page of the pool (0..{}), got entry [{i}][{}] = {page}",
+                        self.num_pages,
+                        at / self.page_size
+                    )));
+                }
+                Ok(page * self.page_size + at % self.page_size)
+            })
+            .collect()
+    }
+
+    fn cpu_typed<T: Copy>(
+        &self,
+        pool: &mut [T],
+        pl: &Layout,
+        src: &[T],
+        sl: &Layout,
+    ) -> Result<()> {
+        let slots = self.host_slots()?;
+        let rows = self.host_rows()?;
+        let ps = pl.stride();
+        let ss = sl.stride();
+        let (s_b, s_r, s_h) = if self.cu_new.is_some() {
+            (0, ss[0], ss[1])
+        } else {
+            (ss[0], ss[1], ss[2])
+        };
+        for (r, (&slot, &(i, j))) in slots.iter().zip(&rows).enumerate() {
+            let (page, at) = (slot / self.page_size, slot % self.page_size);
+            let s_row = if self.cu_new.is_some() {
+                r * s_r
+            } else {
+                i * s_b + j * s_r
+            };
+            for h in 0..self.hkv {
+                let dst = pl.start_offset() + page * ps[0] + at * ps[1] + h * ps[2];
+                let s0 = sl.start_offset() + s_row + h * s_h;
+                pool[dst..dst + self.d].copy_from_slice(&src[s0..s0 + self.d]);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl candle_core::InplaceOp2 for AppendOp<'_> {
+    fn name(&self) -> &'static str {
+        "flashcore-append-kv-paged"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        match (s1, s2) {
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => self.cpu_typed(d, l1, s, l2),
+            (CpuStorage::F64(d), CpuStorage::F64(s)) => self.cpu_typed(d, l1, s, l2),
+            (CpuStorage::F16(d), CpuStorage::F16(s)) => self.cpu_typed(d, l1, s, l2),
+            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => self.cpu_typed(d, l1, s, l2),
+            (d, s) => candle_core::bail!(
+                "flashcore: {}: dtype must be f16, bf16, f32 or f64 and match the new rows, got {:?} and {:?}",
+                self.name,
+                d.dtype(),
+                s.dtype()
+            ),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        let a = crate::cuda::Append {
+            page_table: self.page_table,
+            positions: self.positions,
+            cu_new: self.cu_new,
+            b: self.b,
+            total: self.total,
+            hkv: self.hkv,
+            d: self.d,
+            page_size: self.page_size,
+            num_pages: self.num_pages,
+            max_pages: self.max_pages,
+        };
+        crate::cuda::append_paged((s1, l1), (s2, l2), &a, self.name)
+    }
+}
+
+/// Validates and runs `append_kv_paged` (`cu_new = None`: k_new / v_new `(b, n_new, hkv, d)`) or
+/// its packed twin (`(total, hkv, d)` with prefix sums `(b + 1,)`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn append_kv_paged(
+    k_new: &Tensor,
+    v_new: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    positions: &Tensor,
+    cu_new: Option<&Tensor>,
+) -> Result<()> {
+    let g = crate::params::validate_append(
+        k_new, v_new, k_pages, v_pages, page_table, positions, cu_new,
+    )?;
+    for (name, new, pool) in [("k_pages", k_new, k_pages), ("v_pages", v_new, v_pages)] {
+        let new = aligned(new)?;
+        let op = AppendOp {
+            name,
+            page_table,
+            positions,
+            cu_new,
+            b: g.b,
+            total: g.total,
+            hkv: g.hkv,
+            d: g.d,
+            page_size: g.page_size,
+            num_pages: g.num_pages,
+            max_pages: g.max_pages,
+        };
+        pool.inplace_op2(&new, &op)?;
+    }
+    Ok(())
 }

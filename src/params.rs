@@ -3,7 +3,8 @@
 
 use candle_core::{DType, Layout, Tensor};
 
-/// Head dimensions with a compiled GPU kernel. The CPU path accepts any head dim up to 256.
+/// Head dimensions with a compiled GPU kernel. Every other multiple of 8 up to 256 runs on the
+/// next one up (the kernels zero-fill the extra columns in shared memory; nothing is copied).
 pub const SUPPORTED_HEAD_DIMS: &[usize] = &[64, 128, 256];
 
 /// Largest head dimension accepted at all.
@@ -55,8 +56,40 @@ pub struct AttnParams {
     pub mask: Mask,
     /// If set, scores become `softcap * tanh(score / softcap)` before the mask (Gemma 2 style).
     pub softcap: Option<f32>,
-    /// ALiBi slopes, f32 of shape `(heads_q,)`: adds `-slope[h] * |j - (i + seq_k - seq_q)|`.
+    /// ALiBi slopes, f32 of shape `(heads_q,)` or `(batch, heads_q)` (one row per sequence):
+    /// adds `-slope[b][h] * |j - (i + seq_k - seq_q)|`.
     pub alibi_slopes: Option<Tensor>,
+}
+
+/// Where sequence `i`'s query rows and keys live: the one description of a batch that the CPU
+/// path and every kernel read rows through (the kernels' `fc::seq_range`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Seqs {
+    /// `(b, s, h, d)` tensors: sequence `i` is batch entry `i`, with `sq` query rows and `sk` keys.
+    Dense,
+    /// Packed `(total, h, d)` tensors and `cu_seqlens_q` / `cu_seqlens_k` prefix sums (u32,
+    /// `b + 1`): sequence `i` has rows `cu_q[i]..cu_q[i + 1]` and keys `cu_k[i]..cu_k[i + 1]`. The
+    /// problem's `sq` / `sk` are then the `max_seqlen_q` / `max_seqlen_k` bounds.
+    Varlen { total_q: usize, total_k: usize },
+}
+
+/// Where sequence `i`'s keys live (the K side of [`Seqs`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Keys {
+    /// Rows of k/v: batch entry `i` (dense) or rows `cu_k[i]..cu_k[i + 1]` (packed).
+    Rows,
+    /// The first `seqlens_k[i]` rows of batch entry `i` of a `(b, sk, hkv, d)` k/v (`sk` the
+    /// bound): what a paged cache is gathered into for the prefill kernels.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Used,
+    /// A paged cache: k/v are pools `(num_pages, page_size, hkv, d)`; sequence `i` has
+    /// `seqlens_k[i]` keys, key `j` in row `j % page_size` of page `page_table[i][j / page_size]`.
+    /// The problem's `sk` is the bound `max_pages * page_size`; k/v strides are (page, row, head).
+    Paged {
+        page_size: usize,
+        num_pages: usize,
+        max_pages: usize,
+    },
 }
 
 /// A validated problem: sizes, strides (in elements) and resolved options.
@@ -72,9 +105,16 @@ pub(crate) struct Problem {
     pub scale: f32,
     pub mask: Mask,
     pub softcap: Option<f32>,
-    /// Whether ALiBi slopes were given (the tensor itself travels beside the problem).
+    /// Whether ALiBi slopes were given (the tensor itself travels beside the problem), and
+    /// whether they are `(batch, heads_q)` (else `(heads_q,)`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub alibi: bool,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub alibi_per_batch: bool,
+    /// Dense or packed variable-length sequences (q side; and k side when `keys` is `Rows`).
+    pub seqs: Seqs,
+    /// Where the keys live: rows of k/v, or a paged cache.
+    pub keys: Keys,
     /// Strides `(batch, row, head)` in elements for q, k, v; the last dim has stride 1.
     pub q_strides: [usize; 3],
     pub k_strides: [usize; 3],
@@ -89,8 +129,35 @@ impl Problem {
     pub fn h_ratio(&self) -> usize {
         self.hq / self.hkv
     }
-    pub fn out_dims(&self) -> (usize, usize, usize, usize) {
-        (self.b, self.sq, self.hq, self.d)
+    /// Output shape: `(b, sq, hq, d)`, or `(total_q, hq, d)` for a packed batch.
+    pub fn out_shape(&self) -> candle_core::Shape {
+        match self.seqs {
+            Seqs::Dense => (self.b, self.sq, self.hq, self.d).into(),
+            Seqs::Varlen { total_q, .. } => (total_q, self.hq, self.d).into(),
+        }
+    }
+    /// LSE shape: `(b, hq, sq)`, or `(hq, total_q)` for a packed batch.
+    pub fn lse_shape(&self) -> candle_core::Shape {
+        match self.seqs {
+            Seqs::Dense => (self.b, self.hq, self.sq).into(),
+            Seqs::Varlen { total_q, .. } => (self.hq, total_q).into(),
+        }
+    }
+    /// Rows of q and of k/v over the whole batch (of a paged cache: the pool's rows).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn totals(&self) -> (usize, usize) {
+        let (tq, tk) = match self.seqs {
+            Seqs::Dense => (self.b * self.sq, self.b * self.sk),
+            Seqs::Varlen { total_q, total_k } => (total_q, total_k),
+        };
+        match self.keys {
+            Keys::Paged {
+                page_size,
+                num_pages,
+                ..
+            } => (tq, num_pages * page_size),
+            _ => (tq, tk),
+        }
     }
 }
 
@@ -110,29 +177,53 @@ fn strides4(name: &str, l: &Layout) -> candle_core::Result<[usize; 3]> {
     Ok([s[0], s[1], s[2]])
 }
 
-/// Checks everything about the inputs that can be checked without running anything, coarse to
-/// fine: rank, dtype, device, shape agreement, head ratio, head dim, strides, emptiness, scale,
-/// softcap, ALiBi slopes.
-pub(crate) fn validate(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    p: &AttnParams,
-) -> candle_core::Result<Problem> {
+fn strides3(name: &str, l: &Layout) -> candle_core::Result<[usize; 3]> {
+    let s = l.stride();
+    if s[2] != 1 && l.dims()[2] > 1 {
+        return Err(bad(
+            name,
+            "the last dimension (head_dim) must be contiguous (stride 1)",
+            format!("stride {:?} for shape {:?}", s, l.dims()),
+        ));
+    }
+    // A packed tensor has no batch stride: sequences are found through the prefix sums.
+    Ok([0, s[0], s[1]])
+}
+
+fn check_rank(q: &Tensor, k: &Tensor, v: &Tensor, rank: usize) -> candle_core::Result<()> {
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
-        if t.rank() != 4 {
-            let layout = if name == "q" {
-                "(batch, seq_q, heads_q, head_dim)"
-            } else {
-                "(batch, seq_k, heads_kv, head_dim)"
+        if t.rank() != rank {
+            let layout = match (rank, name) {
+                (4, "q") => "(batch, seq_q, heads_q, head_dim)",
+                (4, _) => "(batch, seq_k, heads_kv, head_dim)",
+                (_, "q") => "(total_q, heads_q, head_dim)",
+                _ => "(total_k, heads_kv, head_dim)",
             };
             return Err(bad(
                 name,
-                &format!("must have rank 4 {layout}"),
+                &format!("must have rank {rank} {layout}"),
                 format!("rank {} with shape {:?}", t.rank(), t.dims()),
             ));
         }
     }
+    Ok(())
+}
+
+/// The checks shared by dense and packed batches: dtype, device, K/V agreement, head ratio, head
+/// dim, scale, softcap, ALiBi slopes (given `b` sequences). Returns the resolved scale and
+/// whether the slopes are per sequence.
+#[allow(clippy::too_many_arguments)]
+fn check_common(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    dk: usize,
+    p: &AttnParams,
+) -> candle_core::Result<(f32, bool)> {
     let dtype = q.dtype();
     if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32 | DType::F64) {
         return Err(bad(
@@ -162,17 +253,12 @@ pub(crate) fn validate(
             ));
         }
     }
-    let (b, sq, hq, d) = q.dims4()?;
-    let (bk, sk, hkv, dk) = k.dims4()?;
     if v.dims() != k.dims() {
         return Err(bad(
             "v",
             &format!("shape must equal k's {:?}", k.dims()),
             format!("{:?}", v.dims()),
         ));
-    }
-    if bk != b {
-        return Err(bad("k", &format!("batch must equal q's batch {b}"), bk));
     }
     if dk != d {
         return Err(bad(
@@ -195,6 +281,63 @@ pub(crate) fn validate(
             d,
         ));
     }
+    let scale = p.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
+    if !scale.is_finite() {
+        return Err(bad("softmax_scale", "must be finite", scale));
+    }
+    if let Some(c) = p.softcap {
+        if !(c.is_finite() && c > 0.0) {
+            return Err(bad("softcap", "must be finite and > 0", c));
+        }
+    }
+    let mut per_batch = false;
+    if let Some(s) = &p.alibi_slopes {
+        if s.dtype() != DType::F32 {
+            return Err(bad(
+                "alibi_slopes",
+                "dtype must be f32",
+                format!("{:?}", s.dtype()),
+            ));
+        }
+        if s.dims() == [b, hq] {
+            per_batch = true;
+        } else if s.dims() != [hq] {
+            return Err(bad(
+                "alibi_slopes",
+                &format!("shape must be (heads_q,) = ({hq},) or (batch, heads_q) = ({b}, {hq})"),
+                format!("{:?}", s.dims()),
+            ));
+        }
+        if !s.device().same_device(q.device()) {
+            return Err(bad(
+                "alibi_slopes",
+                &format!(
+                    "must be on the same device as q ({:?})",
+                    q.device().location()
+                ),
+                format!("{:?}", s.device().location()),
+            ));
+        }
+    }
+    Ok((scale, per_batch))
+}
+
+/// Checks everything about the inputs that can be checked without running anything, coarse to
+/// fine: rank, dtype, device, shape agreement, head ratio, head dim, strides, emptiness, scale,
+/// softcap, ALiBi slopes.
+pub(crate) fn validate(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    p: &AttnParams,
+) -> candle_core::Result<Problem> {
+    check_rank(q, k, v, 4)?;
+    let (b, sq, hq, d) = q.dims4()?;
+    let (bk, sk, hkv, dk) = k.dims4()?;
+    let (scale, alibi_per_batch) = check_common(q, k, v, b, hq, hkv, d, dk, p)?;
+    if bk != b {
+        return Err(bad("k", &format!("batch must equal q's batch {b}"), bk));
+    }
     let q_strides = strides4("q", q.layout())?;
     let k_strides = strides4("k", k.layout())?;
     let v_strides = strides4("v", v.layout())?;
@@ -212,41 +355,6 @@ pub(crate) fn validate(
             format!("shape {:?}", k.dims()),
         ));
     }
-    let scale = p.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
-    if !scale.is_finite() {
-        return Err(bad("softmax_scale", "must be finite", scale));
-    }
-    if let Some(c) = p.softcap {
-        if !(c.is_finite() && c > 0.0) {
-            return Err(bad("softcap", "must be finite and > 0", c));
-        }
-    }
-    if let Some(s) = &p.alibi_slopes {
-        if s.dtype() != DType::F32 {
-            return Err(bad(
-                "alibi_slopes",
-                "dtype must be f32",
-                format!("{:?}", s.dtype()),
-            ));
-        }
-        if s.dims() != [hq] {
-            return Err(bad(
-                "alibi_slopes",
-                &format!("shape must be (heads_q,) = ({hq},)"),
-                format!("{:?}", s.dims()),
-            ));
-        }
-        if !s.device().same_device(q.device()) {
-            return Err(bad(
-                "alibi_slopes",
-                &format!(
-                    "must be on the same device as q ({:?})",
-                    q.device().location()
-                ),
-                format!("{:?}", s.device().location()),
-            ));
-        }
-    }
     Ok(Problem {
         b,
         sq,
@@ -254,13 +362,592 @@ pub(crate) fn validate(
         hq,
         hkv,
         d,
-        dtype,
+        dtype: q.dtype(),
         scale,
         mask: p.mask.canonical(),
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
+        alibi_per_batch,
+        seqs: Seqs::Dense,
+        keys: Keys::Rows,
         q_strides,
         k_strides,
         v_strides,
+    })
+}
+
+/// Largest packed row count (the kernels index rows with 32-bit integers).
+const MAX_TOTAL_ROWS: usize = i32::MAX as usize;
+
+/// [`validate`] for a packed batch: q `(total_q, hq, d)`, k/v `(total_k, hkv, d)`, prefix sums
+/// u32 `(b + 1,)` on q's device. What needs the sums' values (first 0, monotone, last = total,
+/// lengths within the bounds) is checked here only when they are on the CPU
+/// ([`check_cu_seqlens`]); on a GPU that would cost a device sync, so the kernels clamp every
+/// range into the tensors and a check kernel turns the output into NaN if the sums lie.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn validate_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_seqlens_q: &Tensor,
+    cu_seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    p: &AttnParams,
+) -> candle_core::Result<Problem> {
+    check_rank(q, k, v, 3)?;
+    let (total_q, hq, d) = q.dims3()?;
+    let (total_k, hkv, dk) = k.dims3()?;
+    let mut b = 0;
+    for (name, t) in [
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("cu_seqlens_k", cu_seqlens_k),
+    ] {
+        if t.dtype() != DType::U32 {
+            return Err(bad(name, "dtype must be u32", format!("{:?}", t.dtype())));
+        }
+        if t.rank() != 1 || t.dims()[0] < 2 {
+            return Err(bad(
+                name,
+                "must have shape (batch + 1,) with batch >= 1",
+                format!("shape {:?}", t.dims()),
+            ));
+        }
+        if !t.device().same_device(q.device()) {
+            return Err(bad(
+                name,
+                &format!(
+                    "must be on the same device as q ({:?})",
+                    q.device().location()
+                ),
+                format!("{:?}", t.device().location()),
+            ));
+        }
+        if !t.is_contiguous() {
+            return Err(bad(
+                name,
+                "must be contiguous",
+                format!("strides {:?}", t.stride()),
+            ));
+        }
+        b = t.dims()[0] - 1;
+    }
+    if cu_seqlens_q.dims() != cu_seqlens_k.dims() {
+        return Err(bad(
+            "cu_seqlens_k",
+            &format!(
+                "must have cu_seqlens_q's shape {:?} (one entry per sequence)",
+                cu_seqlens_q.dims()
+            ),
+            format!("{:?}", cu_seqlens_k.dims()),
+        ));
+    }
+    let (scale, alibi_per_batch) = check_common(q, k, v, b, hq, hkv, d, dk, p)?;
+    let q_strides = strides3("q", q.layout())?;
+    let k_strides = strides3("k", k.layout())?;
+    let v_strides = strides3("v", v.layout())?;
+    if hq == 0 {
+        return Err(bad(
+            "q",
+            "must have heads_q >= 1",
+            format!("shape {:?}", q.dims()),
+        ));
+    }
+    for (name, total, what) in [("q", total_q, "total_q"), ("k", total_k, "total_k")] {
+        if total > MAX_TOTAL_ROWS {
+            return Err(bad(name, &format!("{what} must be < 2^31"), total));
+        }
+    }
+    // Cheap necessary conditions on the bounds (no device values needed).
+    for (name, max, total, what) in [
+        ("max_seqlen_q", max_seqlen_q, total_q, "total_q"),
+        ("max_seqlen_k", max_seqlen_k, total_k, "total_k"),
+    ] {
+        if max.saturating_mul(b) < total {
+            return Err(bad(
+                name,
+                &format!("must bound every sequence: max_seqlen * batch ({b}) >= {what} ({total})"),
+                max,
+            ));
+        }
+        if max > MAX_TOTAL_ROWS {
+            return Err(bad(name, "must be < 2^31", max));
+        }
+    }
+    Ok(Problem {
+        b,
+        sq: max_seqlen_q,
+        sk: max_seqlen_k,
+        hq,
+        hkv,
+        d,
+        dtype: q.dtype(),
+        scale,
+        mask: p.mask.canonical(),
+        softcap: p.softcap,
+        alibi: p.alibi_slopes.is_some(),
+        alibi_per_batch,
+        seqs: Seqs::Varlen { total_q, total_k },
+        keys: Keys::Rows,
+        q_strides,
+        k_strides,
+        v_strides,
+    })
+}
+
+/// The values of host-side prefix sums: first 0, non-decreasing, last = `total`, every length <=
+/// `max_seqlen`. Returns the sums as usize.
+pub(crate) fn check_cu_seqlens(
+    name: &str,
+    max_name: &str,
+    cu: &[u32],
+    total: usize,
+    max_seqlen: usize,
+) -> candle_core::Result<Vec<usize>> {
+    if cu[0] != 0 {
+        return Err(bad(
+            name,
+            "must start at 0",
+            format!("{:?}", &cu[..cu.len().min(8)]),
+        ));
+    }
+    if let Some(i) = cu.iter().position(|&x| x as usize > total) {
+        return Err(bad(
+            name,
+            &format!("every entry must be at most the packed tensor's row count {total}"),
+            format!("entry {i} = {}", cu[i]),
+        ));
+    }
+    for (i, w) in cu.windows(2).enumerate() {
+        if w[1] < w[0] {
+            return Err(bad(
+                name,
+                "must be non-decreasing (prefix sums of the lengths)",
+                format!("entry {} = {} after {}", i + 1, w[1], w[0]),
+            ));
+        }
+        let len = (w[1] - w[0]) as usize;
+        if len > max_seqlen {
+            return Err(bad(
+                max_name,
+                &format!("must bound every sequence, but sequence {i} has length {len}"),
+                max_seqlen,
+            ));
+        }
+    }
+    let last = *cu.last().unwrap_or(&0) as usize;
+    if last != total {
+        return Err(bad(
+            name,
+            &format!("must end at the packed tensor's row count {total}"),
+            last,
+        ));
+    }
+    Ok(cu.iter().map(|&x| x as usize).collect())
+}
+
+/// Checks a small index tensor beside q: dtype u32, the given rank and leading dims, contiguous,
+/// on q's device.
+fn check_index(
+    name: &str,
+    t: &Tensor,
+    (anchor, q): (&str, &Tensor),
+    dims: &[Option<usize>],
+    layout: &str,
+) -> candle_core::Result<()> {
+    if t.dtype() != DType::U32 {
+        return Err(bad(name, "dtype must be u32", format!("{:?}", t.dtype())));
+    }
+    let ok = t.rank() == dims.len()
+        && dims
+            .iter()
+            .zip(t.dims())
+            .all(|(want, got)| want.is_none_or(|w| w == *got));
+    if !ok {
+        return Err(bad(
+            name,
+            &format!("must have shape {layout}"),
+            format!("shape {:?}", t.dims()),
+        ));
+    }
+    if !t.device().same_device(q.device()) {
+        return Err(bad(
+            name,
+            &format!(
+                "must be on the same device as {anchor} ({:?})",
+                q.device().location()
+            ),
+            format!("{:?}", t.device().location()),
+        ));
+    }
+    if !t.is_contiguous() {
+        return Err(bad(
+            name,
+            "must be contiguous",
+            format!("strides {:?}", t.stride()),
+        ));
+    }
+    Ok(())
+}
+
+/// [`validate`] for a paged KV cache: k/v pools `(num_pages, page_size, heads_kv, d)`, a page
+/// table u32 `(batch, max_pages)`, the keys of each sequence u32 `(batch,)`, and q dense
+/// `(batch, seq_q, heads_q, d)` or, with `packed_q = Some((cu_seqlens_q, max_seqlen_q))`, packed
+/// `(total_q, heads_q, d)`. What needs the tables' values (page ids within the pool, lengths
+/// within the table) is checked here only on the CPU ([`check_pages`]); on a GPU the kernels
+/// clamp every page id into the pool and every length into the table, and the check kernel turns
+/// the output into NaN if they lie.
+pub(crate) fn validate_paged(
+    q: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    seqlens_k: &Tensor,
+    packed_q: Option<(&Tensor, usize)>,
+    p: &AttnParams,
+) -> candle_core::Result<Problem> {
+    for (name, t) in [("k_pages", k_pages), ("v_pages", v_pages)] {
+        if t.rank() != 4 {
+            return Err(bad(
+                name,
+                "must have rank 4 (num_pages, page_size, heads_kv, head_dim)",
+                format!("rank {} with shape {:?}", t.rank(), t.dims()),
+            ));
+        }
+    }
+    let (num_pages, page_size, hkv, dk) = k_pages.dims4()?;
+    let (b, sq, hq, d, seqs) = match packed_q {
+        None => {
+            if q.rank() != 4 {
+                return Err(bad(
+                    "q",
+                    "must have rank 4 (batch, seq_q, heads_q, head_dim)",
+                    format!("rank {} with shape {:?}", q.rank(), q.dims()),
+                ));
+            }
+            let (b, sq, hq, d) = q.dims4()?;
+            (b, sq, hq, d, Seqs::Dense)
+        }
+        Some((cu_q, max_q)) => {
+            if q.rank() != 3 {
+                return Err(bad(
+                    "q",
+                    "must have rank 3 (total_q, heads_q, head_dim)",
+                    format!("rank {} with shape {:?}", q.rank(), q.dims()),
+                ));
+            }
+            let (total_q, hq, d) = q.dims3()?;
+            check_index("cu_seqlens_q", cu_q, ("q", q), &[None], "(batch + 1,)")?;
+            let b = cu_q.dims()[0].saturating_sub(1);
+            if b == 0 {
+                return Err(bad(
+                    "cu_seqlens_q",
+                    "must have shape (batch + 1,) with batch >= 1",
+                    format!("shape {:?}", cu_q.dims()),
+                ));
+            }
+            if total_q > MAX_TOTAL_ROWS {
+                return Err(bad("q", "total_q must be < 2^31", total_q));
+            }
+            if max_q.saturating_mul(b) < total_q || max_q > MAX_TOTAL_ROWS {
+                return Err(bad(
+                    "max_seqlen_q",
+                    &format!(
+                        "must bound every sequence: max_seqlen * batch ({b}) >= total_q ({total_q}), and < 2^31"
+                    ),
+                    max_q,
+                ));
+            }
+            let total_k = num_pages * page_size;
+            (b, max_q, hq, d, Seqs::Varlen { total_q, total_k })
+        }
+    };
+    check_index(
+        "page_table",
+        page_table,
+        ("q", q),
+        &[Some(b), None],
+        &format!("(batch, max_pages_per_seq) with batch = {b}"),
+    )?;
+    check_index(
+        "seqlens_k",
+        seqlens_k,
+        ("q", q),
+        &[Some(b)],
+        &format!("(batch,) = ({b},)"),
+    )?;
+    let max_pages = page_table.dims()[1];
+    let (scale, alibi_per_batch) = check_common(q, k_pages, v_pages, b, hq, hkv, d, dk, p)?;
+    if page_size == 0 || num_pages == 0 || max_pages == 0 {
+        return Err(bad(
+            "k_pages",
+            "must hold at least one page of at least one row, and page_table at least one column",
+            format!(
+                "k_pages {:?}, page_table {:?}",
+                k_pages.dims(),
+                page_table.dims()
+            ),
+        ));
+    }
+    for (name, rows) in [
+        ("k_pages", num_pages.saturating_mul(page_size)),
+        ("page_table", max_pages.saturating_mul(page_size)),
+    ] {
+        if rows > MAX_TOTAL_ROWS {
+            return Err(bad(
+                name,
+                "must address fewer than 2^31 rows (pages * page_size)",
+                rows,
+            ));
+        }
+    }
+    if hq == 0 || b == 0 || (seqs == Seqs::Dense && sq == 0) {
+        return Err(bad(
+            "q",
+            "must not be empty",
+            format!("shape {:?}", q.dims()),
+        ));
+    }
+    let q_strides = match seqs {
+        Seqs::Dense => strides4("q", q.layout())?,
+        Seqs::Varlen { .. } => strides3("q", q.layout())?,
+    };
+    Ok(Problem {
+        b,
+        sq,
+        sk: max_pages * page_size,
+        hq,
+        hkv,
+        d,
+        dtype: q.dtype(),
+        scale,
+        mask: p.mask.canonical(),
+        softcap: p.softcap,
+        alibi: p.alibi_slopes.is_some(),
+        alibi_per_batch,
+        seqs,
+        keys: Keys::Paged {
+            page_size,
+            num_pages,
+            max_pages,
+        },
+        q_strides,
+        k_strides: strides4("k_pages", k_pages.layout())?,
+        v_strides: strides4("v_pages", v_pages.layout())?,
+    })
+}
+
+/// The values of host-side paging tables: every length within the table (`max_pages *
+/// page_size`) and every page a sequence uses (the first `ceil(len / page_size)` of its row) a
+/// page of the pool. Returns the lengths as usize.
+pub(crate) fn check_pages(
+    page_table: &[u32],
+    seqlens_k: &[u32],
+    page_size: usize,
+    num_pages: usize,
+    max_pages: usize,
+) -> candle_core::Result<Vec<usize>> {
+    let cap = max_pages * page_size;
+    let mut lens = Vec::with_capacity(seqlens_k.len());
+    for (i, &len) in seqlens_k.iter().enumerate() {
+        let len = len as usize;
+        if len > cap {
+            return Err(bad(
+                "seqlens_k",
+                &format!(
+                    "every length must fit the page table: max_pages ({max_pages}) * page_size ({page_size}) = {cap}"
+                ),
+                format!("entry {i} = {len}"),
+            ));
+        }
+        for j in 0..len.div_ceil(page_size) {
+            let page = page_table[i * max_pages + j] as usize;
+            if page >= num_pages {
+                return Err(bad(
+                    "page_table",
+                    &format!(
+                        "every page a sequence uses must be a page of the pool (0..{num_pages})"
+                    ),
+                    format!("entry [{i}][{j}] = {page} (sequence {i} has {len} keys)"),
+                ));
+            }
+        }
+        lens.push(len);
+    }
+    Ok(lens)
+}
+
+/// `[0, l0, l0 + l1, ...]` as u32 (lengths already known to fit).
+pub(crate) fn prefix_sums(lens: impl IntoIterator<Item = usize>) -> Vec<u32> {
+    let mut cu = vec![0u32];
+    let mut acc = 0usize;
+    for l in lens {
+        acc += l;
+        cu.push(acc as u32);
+    }
+    cu
+}
+
+/// The geometry of an `append_kv_paged` call.
+pub(crate) struct AppendGeom {
+    pub b: usize,
+    pub total: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub page_size: usize,
+    pub num_pages: usize,
+    pub max_pages: usize,
+}
+
+/// Checks the shapes, dtypes and devices of `append_kv_paged`: k_new / v_new `(b, n_new, hkv, d)`
+/// (or packed `(total, hkv, d)` with `cu_new` `(b + 1,)`), pools `(num_pages, page_size, hkv, d)`
+/// of the same dtype, a page table u32 `(b, max_pages)` and positions u32 `(b,)`. The tables'
+/// values are checked on the host only on the CPU (see the function's docs).
+pub(crate) fn validate_append(
+    k_new: &Tensor,
+    v_new: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    positions: &Tensor,
+    cu_new: Option<&Tensor>,
+) -> candle_core::Result<AppendGeom> {
+    for (name, t) in [("k_pages", k_pages), ("v_pages", v_pages)] {
+        if t.rank() != 4 {
+            return Err(bad(
+                name,
+                "must have rank 4 (num_pages, page_size, heads_kv, head_dim)",
+                format!("rank {} with shape {:?}", t.rank(), t.dims()),
+            ));
+        }
+    }
+    if v_pages.dims() != k_pages.dims() {
+        return Err(bad(
+            "v_pages",
+            &format!("shape must equal k_pages' {:?}", k_pages.dims()),
+            format!("{:?}", v_pages.dims()),
+        ));
+    }
+    let (num_pages, page_size, hkv, d) = k_pages.dims4()?;
+    let (rank, layout) = if cu_new.is_some() {
+        (3, "(total_new, heads_kv, head_dim)")
+    } else {
+        (4, "(batch, n_new, heads_kv, head_dim)")
+    };
+    for (name, t) in [("k_new", k_new), ("v_new", v_new)] {
+        if t.rank() != rank {
+            return Err(bad(
+                name,
+                &format!("must have rank {rank} {layout}"),
+                format!("rank {} with shape {:?}", t.rank(), t.dims()),
+            ));
+        }
+        let dims = t.dims();
+        if dims[rank - 2..] != [hkv, d] {
+            return Err(bad(
+                name,
+                &format!(
+                    "its last two dims must be the pools' (heads_kv, head_dim) = ({hkv}, {d})"
+                ),
+                format!("{dims:?}"),
+            ));
+        }
+        if t.stride()[rank - 1] != 1 && d > 1 {
+            return Err(bad(
+                name,
+                "the last dimension (head_dim) must be contiguous (stride 1)",
+                format!("strides {:?}", t.stride()),
+            ));
+        }
+    }
+    if v_new.dims() != k_new.dims() {
+        return Err(bad(
+            "v_new",
+            &format!("shape must equal k_new's {:?}", k_new.dims()),
+            format!("{:?}", v_new.dims()),
+        ));
+    }
+    for (name, t) in [("k_new", k_new), ("v_new", v_new), ("v_pages", v_pages)] {
+        if t.dtype() != k_pages.dtype() {
+            return Err(bad(
+                name,
+                &format!("dtype must match k_pages ({:?})", k_pages.dtype()),
+                format!("{:?}", t.dtype()),
+            ));
+        }
+        if !t.device().same_device(k_pages.device()) {
+            return Err(bad(
+                name,
+                &format!(
+                    "must be on the same device as k_pages ({:?})",
+                    k_pages.device().location()
+                ),
+                format!("{:?}", t.device().location()),
+            ));
+        }
+    }
+    if d % 8 != 0 || d == 0 {
+        return Err(bad("k_pages", "head_dim must be a multiple of 8", d));
+    }
+    if page_size == 0 || num_pages == 0 {
+        return Err(bad(
+            "k_pages",
+            "must hold at least one page of at least one row",
+            format!("{:?}", k_pages.dims()),
+        ));
+    }
+    let (b, total) = match cu_new {
+        None => (k_new.dims()[0], k_new.dims()[0] * k_new.dims()[1]),
+        Some(cu) => {
+            check_index(
+                "cu_seqlens_new",
+                cu,
+                ("k_pages", k_pages),
+                &[None],
+                "(batch + 1,)",
+            )?;
+            (cu.dims()[0].saturating_sub(1), k_new.dims()[0])
+        }
+    };
+    if b == 0 {
+        return Err(bad(
+            "page_table",
+            "must describe at least one sequence",
+            format!("batch {b}"),
+        ));
+    }
+    check_index(
+        "page_table",
+        page_table,
+        ("k_pages", k_pages),
+        &[Some(b), None],
+        &format!("(batch, max_pages_per_seq) with batch = {b}"),
+    )?;
+    check_index(
+        "positions",
+        positions,
+        ("k_pages", k_pages),
+        &[Some(b)],
+        &format!("(batch,) = ({b},)"),
+    )?;
+    let max_pages = page_table.dims()[1];
+    if max_pages == 0
+        || total > MAX_TOTAL_ROWS
+        || num_pages.saturating_mul(page_size) > MAX_TOTAL_ROWS
+    {
+        return Err(bad(
+            "page_table",
+            "must have at least one column, with fewer than 2^31 new rows and pool rows",
+            format!("{:?} (new rows {total})", page_table.dims()),
+        ));
+    }
+    Ok(AppendGeom {
+        b,
+        total,
+        hkv,
+        d,
+        page_size,
+        num_pages,
+        max_pages,
     })
 }

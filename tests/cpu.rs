@@ -324,7 +324,7 @@ fn validation_messages() -> Result<()> {
         (err_of(&q, &k, &k, &AttnParams { softmax_scale: Some(f32::NAN), ..d.clone() }), "softmax_scale: must be finite, got NaN"),
         (err_of(&q, &k, &k, &AttnParams { softcap: Some(-1.0), ..d.clone() }), "softcap: must be finite and > 0, got -1"),
         (err_of(&q, &k, &k, &AttnParams { alibi_slopes: Some(t(&[8], DType::F16)), ..d.clone() }), "alibi_slopes: dtype must be f32, got F16"),
-        (err_of(&q, &k, &k, &AttnParams { alibi_slopes: Some(t(&[4], f)), ..d.clone() }), "alibi_slopes: shape must be (heads_q,) = (8,), got [4]"),
+        (err_of(&q, &k, &k, &AttnParams { alibi_slopes: Some(t(&[4], f)), ..d.clone() }), "alibi_slopes: shape must be (heads_q,) = (8,) or (batch, heads_q) = (1, 8), got [4]"),
     ];
     for (got, want) in cases {
         assert!(

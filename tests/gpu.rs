@@ -4,50 +4,13 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+#[path = "common/gpu.rs"]
+mod common_gpu;
 
 use candle_core::{DType, Device, Result, Tensor};
 use common::*;
-use flashcore::cuda::{set_arch_override, set_poison_outputs, set_smem_limit_override, Arch};
+use common_gpu::{arch_under_test, gpu};
 use flashcore::{attention_slow, attention_with_lse, AttnParams, Mask};
-
-fn gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => {
-            // candle seeds the device generator with a constant: fresh inputs need a fresh seed.
-            // FLASHCORE_TEST_SEED reproduces a printed one.
-            let seed = std::env::var("FLASHCORE_TEST_SEED")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or_else(|| {
-                    std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(1, |t| t.as_nanos() as u64)
-                });
-            println!("device input seed {seed} (FLASHCORE_TEST_SEED)");
-            d.set_seed(seed).expect("seeding the CUDA generator");
-            Some(d)
-        }
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
-}
-
-/// Arch under test: FLASHCORE_TEST_ARCH=sm80|sm90 forces a family (the H100 runs both);
-/// FLASHCORE_TEST_SMEM=bytes plans with that much shared memory per block (101376 runs the
-/// 99 KB tiles of sm_86/89 on the H100).
-fn arch_under_test() {
-    let a = std::env::var("FLASHCORE_TEST_ARCH")
-        .ok()
-        .and_then(|s| Arch::parse(&s));
-    set_arch_override(a);
-    let smem = std::env::var("FLASHCORE_TEST_SMEM")
-        .ok()
-        .and_then(|s| s.parse().ok());
-    set_smem_limit_override(smem);
-    set_poison_outputs(true);
-}
 
 struct Case {
     b: usize,
@@ -394,16 +357,18 @@ fn unsupported_options_error_clearly() -> Result<()> {
         .unwrap_err()
         .to_string();
     assert!(e.contains("no CUDA kernel for dtype F32"), "{e}");
+    // A scale <= 0 has no GPU kernel (masking with -inf raw scores needs a positive scale);
+    // ALiBi, softcap and every head dim that is a multiple of 8 do (tests/gpu_varlen.rs).
     let (q, k, v) = qkv(1, 8, 8, 2, 2, 64, DType::BF16, false, &dev)?;
     let p = AttnParams {
-        alibi_slopes: Some(Tensor::ones(2, DType::F32, &dev)?),
+        softmax_scale: Some(-0.5),
         ..Default::default()
     };
     let e = flashcore::attention(&q, &k, &v, &p)
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("no CUDA kernel for ALiBi slopes") && e.contains("sq=8"),
+        e.contains("no CUDA kernel for softmax_scale -0.5") && e.contains("sq=8"),
         "{e}"
     );
     Ok(())

@@ -5,13 +5,17 @@
 
 struct FcParams {
     // Inputs: q (b, sq, hq, d), k/v (b, sk, hkv, d); any strides, last dim contiguous (stride 1).
+    // Variable-length batches: q (total_q, hq, d), k/v (total_k, hkv, d) with batch strides 0;
+    // where sequence bi's rows and keys live is `seq_range` (common/seqlens.cuh), the one place
+    // every kernel reads it from.
     const void* q;
     const void* k;
     const void* v;
     // Output (b, sq, hq, d) in the input dtype, and log-sum-exp (b, hq, sq) f32, both contiguous.
     void* o;
     float* lse;
-    // ALiBi slopes (hq,) f32, or null. Bias added to row i, key j: -slope * |j - (i + sk - sq)|.
+    // ALiBi slopes f32, (hq,) or (b, hq) (alibi_batch_stride 0 or hq), or null. Bias added to
+    // row i, key j of sequence bi, head h: -slopes[bi * alibi_batch_stride + h] * |j - (i + sk - sq)|.
     const float* alibi_slopes;
     // Split-KV scratch (decode): partial O (num_splits, b, hq, sq, d) f32 and LSE (num_splits, b, hq, sq).
     float* o_partial;
@@ -21,6 +25,28 @@ struct FcParams {
     int64_t k_batch_stride, k_row_stride, k_head_stride;
     int64_t v_batch_stride, v_row_stride, v_head_stride;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
+    // LSE of (sequence bi, head h, row r): lse[bi * lse_batch_stride + h * lse_head_stride + q0 + r]
+    // (q0: the sequence's first row, 0 when dense). Dense (b, hq, sq): hq * sq, sq. Varlen
+    // (hq, total_q): 0, total_q.
+    int64_t lse_batch_stride, lse_head_stride;
+    // Where sequence bi lives (null = dense: every sequence has sq query rows and sk keys at batch
+    // index bi). cu_seqlens_q / cu_seqlens_k: (b + 1) prefix sums into the packed rows (u32 read as
+    // int32; clamped into [0, total_q] / [0, total_k] and monotone, so a lying table can make a
+    // wrong answer, which the check kernel turns into NaN, but never an out-of-bounds access).
+    const int32_t* cu_seqlens_q;
+    const int32_t* cu_seqlens_k;
+    // (b,) keys in use per sequence (<= its key range), or null. Paged caches: page_table (b,
+    // page_table_stride) of page ids into k/v pools of page_size rows; null for now.
+    const int32_t* seqused_k;
+    const int32_t* page_table;
+    int32_t page_table_stride, page_size;
+    int32_t total_q, total_k;  // rows of the packed q and k/v (varlen); sq, sk when dense
+    int32_t alibi_batch_stride;
+    int32_t _pad2;
+    // b: sequences; sq, sk: query rows and keys per sequence (varlen: max_seqlen_q / _k, the
+    // bounds the grid is sized by; longer sequences are clamped there and flagged by the check
+    // kernel). d: the head dim of the data (<= the kernel's HEAD_DIM; the kernels zero-fill the
+    // columns d..HEAD_DIM in shared memory and never store them).
     int32_t b, hq, hkv, sq, sk, d;
     int32_t h_ratio;        // hq / hkv: query head h reads K/V head h / h_ratio
     float scale;            // softmax scale (applied to q.k before softcap/alibi/mask)

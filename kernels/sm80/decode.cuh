@@ -60,7 +60,12 @@
 //   no-ops (and they are compiled out for sm_8x).
 //   Requirements: q/k/v/o base pointers 16-byte aligned, all row/head/batch strides multiples of
 //   8 elements, last dim contiguous; hq = h_ratio * hkv; the split kernel needs p.scale,
-//   p.scale_log2, p.window_*; p.softcap > 0 caps the scores (fc::softcap_tanh); p.alibi_slopes must be null (not implemented here).
+//   p.scale_log2, p.window_*; p.softcap > 0 caps the scores (fc::softcap_tanh); p.alibi_slopes adds
+//   the ALiBi bias (runtime branch per 16-key step, as softcap); p.d <= HEAD_DIM (columns beyond it
+//   zero-filled, never stored). Paged caches (p.page_table): K/V rows through fc::paged_row
+//   (common/seqlens.cuh), page by page per row. Sequences through fc::seq_range (dense or varlen; the grid and the
+//   partial layout use p.sq = max_seqlen_q, row blocks past a shorter sequence exit and the combine
+//   skips its rows).
 //   Empty rows (no visible key, e.g. causal sq > sk): O = 0, LSE = -inf.
 //
 // num_splits heuristic: fc_decode_num_splits() at the bottom of this file (host, pure).
@@ -71,6 +76,7 @@
 #include <stdint.h>
 #include "common/params.h"
 #include "common/softmax.cuh"
+#include "common/seqlens.cuh"
 
 namespace fc_decode {
 
@@ -187,9 +193,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, t4 = lane & 3;
-    const int sq = p.sq, sk = p.sk, hq = p.hq;
-    const int rows_total = p.h_ratio * sq;
-    const int row_blocks = (rows_total + BM - 1) / BM;
+    const int hq = p.hq;
+    const int row_blocks = (p.h_ratio * p.sq + BM - 1) / BM;  // the grid's (max_seqlen_q) packing
     const int nsplit = p.num_splits;
     int bid = blockIdx.x;
     const int rb = bid % row_blocks;
@@ -198,8 +203,13 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     bid /= nsplit;
     const int kvh = bid % p.hkv;
     const int bb = bid / p.hkv;
+    const fc::SeqRange sr = fc::seq_range(p, bb);
+    const int sq = sr.sq, sk = sr.sk;
+    const int rows_total = p.h_ratio * sq;  // this sequence's packed rows
 
     const int r0 = rb * BM;
+    if (r0 >= rows_total) return;  // a shorter sequence (varlen): the combine skips these rows
+    const int dch = p.d / 8;
     const int rows_here = min(BM, rows_total - r0);
     const int mtiles = (rows_here + 15) >> 4;
     int WM = 1;
@@ -255,9 +265,13 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
 
     // ---- global pointers
-    const T* qg = static_cast<const T*>(p.q) + (int64_t)bb * p.q_batch_stride;
-    const T* kg = static_cast<const T*>(p.k) + (int64_t)bb * p.k_batch_stride + (int64_t)kvh * p.k_head_stride;
-    const T* vg = static_cast<const T*>(p.v) + (int64_t)bb * p.v_batch_stride + (int64_t)kvh * p.v_head_stride;
+    const T* qg = static_cast<const T*>(p.q) + (int64_t)bb * p.q_batch_stride + (int64_t)sr.q0 * p.q_row_stride;
+    // paged (p.page_table): kg / vg are the head's base in the pools; rows through fc::paged_row
+    const bool paged = p.page_table != nullptr;
+    const T* kg = static_cast<const T*>(p.k) + (int64_t)kvh * p.k_head_stride +
+                  (paged ? 0 : (int64_t)bb * p.k_batch_stride + (int64_t)sr.k0 * p.k_row_stride);
+    const T* vg = static_cast<const T*>(p.v) + (int64_t)kvh * p.v_head_stride +
+                  (paged ? 0 : (int64_t)bb * p.v_batch_stride + (int64_t)sr.k0 * p.v_row_stride);
     const int64_t ksr = p.k_row_stride, vsr = p.v_row_stride;
 
     // ---- Q tile -> smem (cp.async, zero-filled padding rows)
@@ -267,7 +281,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         for (int it = 0; it < BM * CPR / THREADS; ++it) {
             const int row = tid / CPR + it * (THREADS / CPR);
             const int r = r0 + row;
-            const bool ok = row < rows_here;
+            const bool ok = row < rows_here && ch < dch;
             const T* src = qg;
             if (ok) {
                 const int hl = r / sq, i = r - hl * sq;
@@ -278,18 +292,66 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         cp_async_commit();
     }
 
+    // Paged: the page and slot of one row per lane for the next tile, looked up one tile ahead
+    // so that the page-table read's latency hides behind a tile's copy (see load_tile).
+    int pf_tile = -1, pf_page = 0, pf_slot = 0;
+    auto lookup = [&](int t, int& page, int& slot) {
+        constexpr int TPR = 32 / CPR, ITERS = BN * CPR / THREADS;
+        page = 0;
+        slot = 0;
+        if (lane < TPR * ITERS) {
+            const int key = t * BN + warp * TPR + (lane % TPR) + (THREADS / CPR) * (lane / TPR);
+            if (key < sk) page = fc::page_of(p, bb, key, slot);
+        }
+    };
     auto load_tile = [&](int t, int slot) {
         T* sK = sKV + slot * (2 * BN * D);
         T* sV = sK + BN * D;
         const int ch = tid % CPR;
         const int row0 = tid / CPR;
         const int key0 = t * BN + row0;
+        if (paged) {
+            // Every row through the page table (rows past the sequence: zero-filled). The warp's
+            // rows of this tile (TPR per pass, ITERS passes: at most 32) get their page looked up
+            // once, one row per lane, all lanes at once, one tile ahead (`lookup`); each pass
+            // takes its row's page and slot by shuffle. (A lookup per pass put ITERS dependent
+            // page-table loads, mostly L2 misses, in front of every tile: b1/b8 decode ran
+            // 0.6-0.8x the contiguous cache; one lookup per tile, not ahead: 0.82-0.90x.)
+            constexpr int TPR = 32 / CPR;  // distinct rows of a warp per pass
+            constexpr int ITERS = BN * CPR / THREADS;
+            static_assert(32 % CPR == 0 && TPR * ITERS <= 32, "paged decode: one row per lane");
+            // d256 (16 passes) unrolled by 4: unrolled fully its tiles spilled 12-24 B
+            constexpr int UNROLL = ITERS > 8 ? 4 : ITERS;
+            int my_page, my_slot;
+            if (pf_tile == t) {
+                my_page = pf_page;
+                my_slot = pf_slot;
+            } else {
+                lookup(t, my_page, my_slot);
+            }
+            lookup(t + 1, pf_page, pf_slot);  // tiles load in order: the next call's
+            pf_tile = t + 1;
+#pragma unroll UNROLL
+            for (int it = 0; it < ITERS; ++it) {
+                const int row = row0 + it * (THREADS / CPR);
+                const int key = key0 + it * (THREADS / CPR);
+                const bool ok = key < sk && ch < dch;
+                const int src = lane / CPR + TPR * it;
+                const int64_t page = __shfl_sync(0xffffffffu, my_page, src);
+                const int slot = __shfl_sync(0xffffffffu, my_slot, src);
+                const T* kp = ok ? kg + page * p.k_batch_stride + (int64_t)slot * ksr + ch * 8 : kg;
+                const T* vp = ok ? vg + page * p.v_batch_stride + (int64_t)slot * vsr + ch * 8 : vg;
+                cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), kp, ok);
+                cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), vp, ok);
+            }
+            return;
+        }
         const T* kp = kg + (int64_t)key0 * ksr + ch * 8;
         const T* vp = vg + (int64_t)key0 * vsr + ch * 8;
 #pragma unroll
         for (int it = 0; it < BN * CPR / THREADS; ++it) {
             const int row = row0 + it * (THREADS / CPR);
-            const bool ok = key0 + it * (THREADS / CPR) < sk;
+            const bool ok = key0 + it * (THREADS / CPR) < sk && ch < dch;
             const int64_t ko = (int64_t)it * (THREADS / CPR) * ksr;
             const int64_t vo = (int64_t)it * (THREADS / CPR) * vsr;
             cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), ok ? kp + ko : kg, ok);
@@ -375,6 +437,20 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 for (int n = 0; n < 2; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[n][e] = fc::softcap_tanh(s[n][e] * pre);
+            }
+            if (p.alibi_slopes != nullptr) {  // before the mask, after softcap (bias in score units)
+                const int kb = t * BN + key0 + 2 * t4;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = min(r0 + wm * 16 + g8 + 8 * h, rows_total - 1);
+                    const int hl = r / sq, i = r - hl * sq;
+                    const float sl = fc::alibi_slope_units(p, bb, kvh * p.h_ratio + hl);
+                    const int dg = i + sk - sq;
+#pragma unroll
+                    for (int n = 0; n < 2; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) s[n][2 * h + e] -= sl * (float)abs(kb + n * 8 + e - dg);
+                }
             }
             if (need_mask) {
                 const int kb = t * BN + key0 + 2 * t4;
@@ -484,7 +560,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         const int hl = r / sq, i = r - hl * sq;
         const int h = kvh * p.h_ratio + hl;
         if (nsplit == 1) {
-            T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)i * p.o_row_stride +
+            if (ch >= dch) continue;  // padded columns (p.d < HEAD_DIM)
+            T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
                     (int64_t)h * p.o_head_stride + ch * 8;
             uint4 u;
             u.x = Ops<T>::pack(acc[0], acc[1]);
@@ -492,9 +569,9 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             u.z = Ops<T>::pack(acc[4], acc[5]);
             u.w = Ops<T>::pack(acc[6], acc[7]);
             *reinterpret_cast<uint4*>(od) = u;
-            if (ch == 0) p.lse[((int64_t)bb * hq + h) * sq + i] = lse;
+            if (ch == 0) fc::lse_ptr(p, bb, h, sr.q0)[i] = lse;
         } else {
-            const int64_t prow = (((int64_t)split * B + bb) * hq + h) * sq + i;
+            const int64_t prow = (((int64_t)split * B + bb) * hq + h) * p.sq + i;
             float* od = p.o_partial + prow * D + ch * 8;
             reinterpret_cast<float4*>(od)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
             reinterpret_cast<float4*>(od)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
@@ -519,10 +596,17 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
     __shared__ float4 s_acc[G][CH];
     __shared__ float s_m[G], s_l[G];
     pdl_wait();  // no-op unless launched as a programmatic dependent of the split kernel
+    pdl_launch_dependents();  // the varlen / paged check kernel may start (it waits to write)
 
     const int tid = threadIdx.x, c = tid % CH, gi = tid / CH;
     const int64_t rows = (int64_t)p.b * p.hq * p.sq;
     const int64_t row = blockIdx.x;
+    const int sq = p.sq, hq = p.hq;
+    const int i = (int)(row % sq);
+    const int h = (int)((row / sq) % hq);
+    const int bb = (int)(row / ((int64_t)sq * hq));
+    const fc::SeqRange sr = fc::seq_range(p, bb);
+    if (i >= sr.sq) return;  // past the end of a shorter sequence (varlen): no such row
     const int ns = p.num_splits;
     const float* lp = p.lse_partial + row;
     const float* op = p.o_partial + row * D + c * 4;
@@ -581,14 +665,11 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
             o.x = fmaf(f, v.x, o.x); o.y = fmaf(f, v.y, o.y); o.z = fmaf(f, v.z, o.z); o.w = fmaf(f, v.w, o.w);
         }
         const float inv = L > 0.f ? 1.f / L : 0.f;
-        const int sq = p.sq, hq = p.hq;
-        const int i = (int)(row % sq);
-        const int h = (int)((row / sq) % hq);
-        const int bb = (int)(row / ((int64_t)sq * hq));
-        T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)i * p.o_row_stride +
+        T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
                 (int64_t)h * p.o_head_stride + tid * 4;
-        *reinterpret_cast<uint2*>(od) = make_uint2(Ops<T>::pack(o.x * inv, o.y * inv), Ops<T>::pack(o.z * inv, o.w * inv));
-        if (tid == 0) p.lse[row] = L > 0.f ? Ms + logf(L) : -INFINITY;
+        if (tid * 4 < p.d)
+            *reinterpret_cast<uint2*>(od) = make_uint2(Ops<T>::pack(o.x * inv, o.y * inv), Ops<T>::pack(o.z * inv, o.w * inv));
+        if (tid == 0) fc::lse_ptr(p, bb, h, sr.q0)[i] = L > 0.f ? Ms + logf(L) : -INFINITY;
     }
 }
 

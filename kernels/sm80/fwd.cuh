@@ -20,8 +20,11 @@
 //     multiple of 8 elements (each 16-byte chunk of a row is moved with one cp.async / st.v4).
 //   * last dim contiguous; d == HEAD_DIM; hq == hkv * h_ratio; sq, sk >= 1 (sk == 0 also works:
 //     all rows empty).
-//   * p.softcap > 0 caps the scores (fc::softcap_tanh, common/softmax.cuh). NOT implemented:
-//     ALiBi (p.alibi_slopes must be null).
+//   * p.softcap > 0 caps the scores (fc::softcap_tanh, common/softmax.cuh); p.alibi_slopes adds
+//     the ALiBi bias. Both run in the kernel's FWD_GEN body (the plain body has neither).
+//   * p.d <= HEAD_DIM, a multiple of 8: columns beyond p.d are zero-filled in shared memory.
+//   * Sequences through fc::seq_range (common/seqlens.cuh): dense, or varlen prefix sums (the
+//     grid's m blocks cover p.sq = max_seqlen_q; blocks past a shorter sequence exit).
 //     Split-KV fields are ignored (this kernel writes O and LSE directly).
 // MASK_ID: 0 none, 1 causal (bottom-right), 2 local window (runtime p.window_left/right,
 // negative = unbounded; bottom-right aligned like causal).
@@ -34,6 +37,7 @@
 #include "common/params.h"
 #include "common/softmax.cuh"
 #include "common/smem.cuh"
+#include "common/seqlens.cuh"
 
 namespace fc_sm80 {
 
@@ -113,9 +117,10 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
 // rows >= valid are zero-filled. ONE_REM: test rows against one remainder register (valid - r0)
 // instead of a row index per pass: for kernels whose key loop has no registers to spare (the
 // warp pairs); on the d64 128x64 tile it measured 1.4-2.7 % slower (session 4, call D).
+// Columns from dch 16-byte chunks on (a head dim below D) are zero-filled, never read.
 template <int NROWS, int D, int NTHREADS, bool ONE_REM = false, typename T>
 __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, int64_t stride,
-                                          int valid, int tid) {
+                                          int valid, int tid, int dch = D / 8) {
     constexpr int CH = D / 8;
     constexpr int TOTAL = NROWS * CH;
     static_assert(NTHREADS % CH == 0, "threads must cover whole rows");
@@ -136,7 +141,7 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
     for (int i = 0; i < (TOTAL + NTHREADS - 1) / NTHREADS; ++i) {
         const int r = r0 + i * ROWS_PER_PASS;
         if (TOTAL % NTHREADS == 0 || r < NROWS) {
-            const bool ok = ONE_REM ? i * ROWS_PER_PASS < rem : r < valid;
+            const bool ok = (ONE_REM ? i * ROWS_PER_PASS < rem : r < valid) && ch < dch;
             // (r & 7) changes between passes only when ROWS_PER_PASS % 8 != 0
             const uint32_t d = (ROWS_PER_PASS % 8 == 0) ? dst + i * ROWS_PER_PASS * (D * 2)
                                                         : s + swz<D>(r, ch);
@@ -163,10 +168,14 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //     (d128 128x48 on sm_80/86/89): K/V tile pointers and the thread index recomputed from %ctaid / %tid where
 //     they are used, one remainder register for load_tile's row test (STAGES 2). Costs 2-5 %
 //     on the H100 (session 5), so it is used only where the tile would spill without it.
-//   FWD_CAP: softcap (p.softcap > 0). Kernels hold the body with and without it and pick one per
+//   FWD_GEN: the general body: softcap (p.softcap > 0), ALiBi (p.alibi_slopes), packed
+//     variable-length batches (p.cu_seqlens_q/k, fc::seq_range) and head dims below D (p.d < D:
+//     zero-filled columns), each behind a runtime test. Kernels hold the plain body (dense, d = D,
+//     no score modifier: its SASS is that of session 12) and the general one and pick one per
 //     launch (fwd_has_cap_body): a runtime branch per key tile inside one body cost the sm80
-//     forward 1 % without softcap (H100, sm_90 SASS, session 12).
-enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16, FWD_CAP = 32 };
+//     forward 1 % without softcap (H100, sm_90 SASS, session 12), and the sequence ranges in
+//     registers made the d128 128x48 tile spill 32 B on sm_90 (session 13).
+enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16, FWD_GEN = 32 };
 
 __device__ __forceinline__ uint32_t launder32(uint32_t x) {
     asm volatile("mov.b32 %0, %1;" : "=r"(x) : "r"(x));
@@ -245,11 +254,11 @@ __device__ __forceinline__ void mask_tile(float (&s)[MT][NS][4], int nb, int war
     }
 }
 
-// Softcap (CAP: the FWD_CAP body): S becomes tanh(S * pre), pre = scale / softcap (the kept
+// Softcap (CAP: the FWD_GEN body): S becomes tanh(S * pre), pre = scale / softcap (the kept
 // scores' unit is then softcap: fc::score_unit), before the mask.
 template <bool CAP, int MT, int NS>
 __device__ __forceinline__ void softcap_tile(float (&s)[MT][NS][4], const FcParams& p) {
-    if constexpr (CAP) {
+    if (CAP && p.softcap > 0.f) {
         const float pre = __fdividef(p.scale, p.softcap);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -257,6 +266,29 @@ __device__ __forceinline__ void softcap_tile(float (&s)[MT][NS][4], const FcPara
             for (int j = 0; j < NS; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][j][e] = fc::softcap_tanh(s[mt][j][e] * pre);
+    }
+}
+
+// ALiBi (the FWD_GEN body, p.alibi_slopes set): S -= slope_u * |col - (row + sk - sq)|, slope_u
+// the slope in the kept scores' unit (fc::alibi_slope_units), before the mask.
+template <bool CAP, int BN, int MT, int NS>
+__device__ __forceinline__ void alibi_tile(float (&s)[MT][NS][4], const FcParams& p, float slope_u,
+                                           int nb, int warp_r0, int sq, int sk, int col_off = 0) {
+    if (CAP && p.alibi_slopes != nullptr) {
+        int lane;
+        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+        const int col0 = nb * BN + col_off + 2 * (lane & 3);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int diag = warp_r0 + (lane >> 2) + mt * 16 + hf * 8 + sk - sq;
+#pragma unroll
+                for (int j = 0; j < NS; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        s[mt][j][2 * hf + e] -= slope_u * (float)abs(col0 + j * 8 + e - diag);
+            }
     }
 }
 
@@ -389,7 +421,7 @@ __device__ __forceinline__ void pv_tile(const float (&s)[MT][NS][4], float (&o)[
 template <typename T, int D, int MT, int ND>
 __device__ __forceinline__ void store_o(unsigned char* smem_o, const float (&o)[MT][ND][4],
                                         int warp_row, int lane, int chunk0, T* og,
-                                        int64_t row_stride, int rows_valid) {
+                                        int64_t row_stride, int rows_valid, int dch = D / 8) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -405,7 +437,7 @@ __device__ __forceinline__ void store_o(unsigned char* smem_o, const float (&o)[
     for (int i = 0; i < 16 * MT * ND / 32; ++i) {
         const int c = lane + 32 * i;
         const int r = warp_row + c / ND, ch = chunk0 + c % ND;
-        if (r < rows_valid) {
+        if (r < rows_valid && ch < dch) {
             const uint4 val = *reinterpret_cast<const uint4*>(smem_o + swz<D>(r, ch));
             *reinterpret_cast<uint4*>(og + (int64_t)r * row_stride + ch * 8) = val;
         }
@@ -413,9 +445,12 @@ __device__ __forceinline__ void store_o(unsigned char* smem_o, const float (&o)[
 }
 
 // One CTA's query block: grid decoding, global pointers and the visible key-tile range.
-template <typename T, int MASK, int BM, int BN>
+// GEN: the sequence's range from fc::seq_range (else dense: p.sq, p.sk, rows from 0).
+template <typename T, int MASK, int BM, int BN, bool GEN>
 struct FwdTile {
     int m0, rows_valid, n_min, n_max;
+    int sq, sk;  // this sequence's query rows and keys (fc::seq_range)
+    int h, bz;
     const T* qg;
     const T* kg;
     const T* vg;
@@ -426,19 +461,24 @@ struct FwdTile {
         // query blocks first across every head (blocks are issued x-fastest), so the last wave
         // holds the lightest tiles.
         const int m_block = MASK != 0 ? (int)(gridDim.y - 1 - blockIdx.y) : (int)blockIdx.x;
-        const int h = MASK != 0 ? (int)blockIdx.x : (int)blockIdx.y;
-        const int bz = blockIdx.z;
+        h = MASK != 0 ? (int)blockIdx.x : (int)blockIdx.y;
+        bz = blockIdx.z;
         const int hk = h / p.h_ratio;
+        const fc::SeqRange sr = GEN ? fc::seq_range(p, bz) : fc::SeqRange{0, p.sq, 0, p.sk};
+        sq = sr.sq;
+        sk = sr.sk;
         m0 = m_block * BM;
-        rows_valid = min(BM, p.sq - m0);
+        rows_valid = min(BM, sq - m0);  // <= 0: the sequence is shorter (varlen), nothing to do
         qg = reinterpret_cast<const T*>(p.q) + bz * p.q_batch_stride + h * p.q_head_stride +
-             (int64_t)m0 * p.q_row_stride;
-        kg = reinterpret_cast<const T*>(p.k) + bz * p.k_batch_stride + hk * p.k_head_stride;
-        vg = reinterpret_cast<const T*>(p.v) + bz * p.v_batch_stride + hk * p.v_head_stride;
+             (int64_t)(sr.q0 + m0) * p.q_row_stride;
+        kg = reinterpret_cast<const T*>(p.k) + bz * p.k_batch_stride + hk * p.k_head_stride +
+             (int64_t)sr.k0 * p.k_row_stride;
+        vg = reinterpret_cast<const T*>(p.v) + bz * p.v_batch_stride + hk * p.v_head_stride +
+             (int64_t)sr.k0 * p.v_row_stride;
         og = reinterpret_cast<T*>(p.o) + bz * p.o_batch_stride + h * p.o_head_stride +
-             (int64_t)m0 * p.o_row_stride;
-        lseg = p.lse + ((int64_t)bz * p.hq + h) * p.sq + m0;
-        fc::key_tile_range<MASK, BN>(m0, m0 + rows_valid - 1, p.sq, p.sk, p.window_left,
+             (int64_t)(sr.q0 + m0) * p.o_row_stride;
+        lseg = fc::lse_ptr(p, bz, h, sr.q0 + m0);
+        fc::key_tile_range<MASK, BN>(m0, m0 + rows_valid - 1, sq, sk, p.window_left,
                                      p.window_right, n_min, n_max);
     }
     // K or V rows of key tile nb, recomputed from %ctaid and the parameters at each use: the
@@ -453,27 +493,36 @@ struct FwdTile {
         h = (int)(MASK != 0 ? x : y);
         bz = (int)z;
     }
-    __device__ __forceinline__ static const T* kv_tile_remat(const void* base, int64_t batch_stride,
+    // (The sequence's first key row is re-read too: varlen only, 0 when dense.)
+    __device__ __forceinline__ static const T* kv_tile_remat(const FcParams& p, const void* base,
+                                                             int64_t batch_stride,
                                                              int64_t head_stride, int64_t row_stride,
                                                              int h_ratio, int nb) {
         int m_block, h, bz;
         ctaid_remat(m_block, h, bz);
+        const int k0 = GEN && p.cu_seqlens_k != nullptr ? fc::seq_range(p, bz).k0 : 0;
         return reinterpret_cast<const T*>(base) + bz * batch_stride + (h / h_ratio) * head_stride +
-               (int64_t)nb * BN * row_stride;
+               (int64_t)(k0 + nb * BN) * row_stride;
+    }
+    // The ALiBi slope (in score units) the same way.
+    __device__ __forceinline__ static float slope_remat(const FcParams& p) {
+        int m_block, h, bz;
+        ctaid_remat(m_block, h, bz);
+        return fc::alibi_slope_units(p, bz, h);
     }
     // og and lseg the same way (for an epilogue after a loop with no registers to spare).
     __device__ __forceinline__ static void out_remat(const FcParams& p, T*& og, float*& lseg) {
         int m_block, h, bz;
         ctaid_remat(m_block, h, bz);
-        const int m0 = m_block * BM;
+        const int m0 = m_block * BM + (GEN && p.cu_seqlens_q != nullptr ? fc::seq_range(p, bz).q0 : 0);
         og = reinterpret_cast<T*>(p.o) + bz * p.o_batch_stride + h * p.o_head_stride +
              (int64_t)m0 * p.o_row_stride;
-        lseg = p.lse + ((int64_t)bz * p.hq + h) * p.sq + m0;
+        lseg = fc::lse_ptr(p, bz, h, m0);
     }
     // No row of this block sees any key: O = 0, LSE = -inf.
     template <int D, int NTH>
     __device__ __forceinline__ void write_empty(const FcParams& p, int tid) const {
-        constexpr int CH = D / 8;
+        const int CH = GEN ? p.d / 8 : D / 8;
         for (int c = tid; c < rows_valid * CH; c += NTH) {
             const int r = c / CH, ch = c % CH;
             *reinterpret_cast<uint4*>(og + (int64_t)r * p.o_row_stride + ch * 8) =
@@ -486,6 +535,7 @@ struct FwdTile {
 template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES, int OPT = 0>
 __device__ __forceinline__ void fwd_body(const FcParams& p) {
     static_assert(D == 64 || D == 128 || D == 256, "HEAD_DIM must be 64, 128 or 256");
+    // (p.d <= D: the columns beyond it are zero in shared memory and never stored)
     static_assert(BM % (16 * WARPS) == 0, "BLOCK_M must be a multiple of 16*WARPS");
     static_assert(BN % 16 == 0, "BLOCK_N must be a multiple of 16");
     static_assert(STAGES == 1 || STAGES == 2, "STAGES must be 1 or 2");
@@ -499,6 +549,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     constexpr int QREG_MT = Q_IN_REGS ? MT : 1;
     constexpr int QREG_KD = Q_IN_REGS ? KD : 1;
     constexpr bool LEAN = (OPT & FWD_LEAN) != 0;
+    constexpr bool GEN = (OPT & FWD_GEN) != 0;
     using E = Elem<T>;
 
     extern __shared__ __align__(128) unsigned char fc_sm80_fwd_smem[];
@@ -509,12 +560,14 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const FwdTile<T, MASK, BM, BN> t(p);
+    const FwdTile<T, MASK, BM, BN, GEN> t(p);
+    if (t.rows_valid <= 0) return;  // past the end of a shorter sequence (varlen)
     if (t.n_max <= t.n_min) {
         t.template write_empty<D, NTH>(p, tid);
         return;
     }
-    const int sq = p.sq, sk = p.sk;
+    const int sq = t.sq, sk = t.sk;
+    const int dch = GEN ? p.d / 8 : D / 8;
     const int m0 = t.m0, rows_valid = t.rows_valid, n_min = t.n_min, n_max = t.n_max;
     const int wl = p.window_left, wr = p.window_right;
     const T* __restrict__ qg = t.qg;
@@ -524,14 +577,14 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     float* __restrict__ lseg = t.lseg;
 
     // Prologue: Q and the first (highest) key tile.
-    load_tile<BM, D, NTH>(sQ, qg, p.q_row_stride, rows_valid, tid);
+    load_tile<BM, D, NTH>(sQ, qg, p.q_row_stride, rows_valid, tid, dch);
     const int nb = n_max - 1;
     const int kv_valid = sk - nb * BN;
     load_tile<BN, D, NTH>(sK, kg + (int64_t)nb * BN * p.k_row_stride, p.k_row_stride, kv_valid,
-                          tid);
+                          tid, dch);
     if (STAGES == 2)
         load_tile<BN, D, NTH>(sV, vg + (int64_t)nb * BN * p.v_row_stride, p.v_row_stride,
-                              kv_valid, tid);
+                              kv_valid, tid, dch);
     cp_async_commit();
 
     // Per-lane ldmatrix geometry. Every tile row offset used below is a multiple of 8, so the
@@ -581,7 +634,8 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
             row_l[mt][hf] = 0.f;
         }
 
-    const float sl2 = (OPT & FWD_CAP) != 0 ? fc::score_unit_log2(p.scale_log2, p.softcap) : p.scale_log2;
+    const float sl2 = (OPT & FWD_GEN) != 0 ? fc::score_unit_log2(p.scale_log2, p.softcap) : p.scale_log2;
+    const float slope_u = (OPT & FWD_GEN) != 0 ? fc::alibi_slope_units(p, t.bz, t.h) : 0.f;
     const int row_thr = m0 + warp_row + (lane >> 2);  // + mt*16 + hf*8
     const int warp_r0 = m0 + warp_row;                // first query row of this warp
 
@@ -596,24 +650,24 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
                 const int nn = nb - 1;
                 const uint32_t off = (stage ^ 1) * (BN * D * 2);
                 if constexpr (LEAN) {
-                    using FT = FwdTile<T, MASK, BM, BN>;
-                    load_tile<BN, D, NTH, true>(sK + off, FT::kv_tile_remat(p.k, p.k_batch_stride,
+                    using FT = FwdTile<T, MASK, BM, BN, GEN>;
+                    load_tile<BN, D, NTH, true>(sK + off, FT::kv_tile_remat(p, p.k, p.k_batch_stride,
                                                     p.k_head_stride, p.k_row_stride, p.h_ratio, nn),
-                                                p.k_row_stride, sk - nn * BN, tid_remat());
-                    load_tile<BN, D, NTH, true>(sV + off, FT::kv_tile_remat(p.v, p.v_batch_stride,
+                                                p.k_row_stride, sk - nn * BN, tid_remat(), dch);
+                    load_tile<BN, D, NTH, true>(sV + off, FT::kv_tile_remat(p, p.v, p.v_batch_stride,
                                                     p.v_head_stride, p.v_row_stride, p.h_ratio, nn),
-                                                p.v_row_stride, sk - nn * BN, tid_remat());
+                                                p.v_row_stride, sk - nn * BN, tid_remat(), dch);
                 } else {
                     load_tile<BN, D, NTH>(sK + off, kg + (int64_t)nn * BN * p.k_row_stride,
-                                          p.k_row_stride, sk - nn * BN, tid);
+                                          p.k_row_stride, sk - nn * BN, tid, dch);
                     load_tile<BN, D, NTH>(sV + off, vg + (int64_t)nn * BN * p.v_row_stride,
-                                          p.v_row_stride, sk - nn * BN, tid);
+                                          p.v_row_stride, sk - nn * BN, tid, dch);
                 }
                 cp_async_commit();
             }
         } else {
             load_tile<BN, D, NTH>(sV, vg + (int64_t)nb * BN * p.v_row_stride, p.v_row_stride,
-                                  sk - nb * BN, tid);
+                                  sk - nb * BN, tid, dch);
             cp_async_commit();
         }
         if (Q_IN_REGS && nb == n_max - 1) {
@@ -651,7 +705,8 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
                 }
             }
         }
-        softcap_tile<(OPT & FWD_CAP) != 0>(s, p);
+        softcap_tile<(OPT & FWD_GEN) != 0>(s, p);
+        alibi_tile<(OPT & FWD_GEN) != 0, BN>(s, p, slope_u, nb, warp_r0, sq, sk);
         mask_tile<MASK, BN, MT, NS>(s, nb, warp_r0, row_thr, lane, sq, sk, wl, wr);
 
         if (STAGES == 1) {
@@ -660,7 +715,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
             if (nb > n_min) {
                 const int nn = nb - 1;
                 load_tile<BN, D, NTH>(sK, kg + (int64_t)nn * BN * p.k_row_stride, p.k_row_stride,
-                                      sk - nn * BN, tid);
+                                      sk - nn * BN, tid, dch);
                 cp_async_commit();
             }
         }
@@ -677,8 +732,8 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     // read them), then 16-byte coalesced stores.
     T* o_out = og;
     float* lse_out = lseg;
-    if constexpr (LEAN) FwdTile<T, MASK, BM, BN>::out_remat(p, o_out, lse_out);
-    const float scale = (OPT & FWD_CAP) != 0 ? fc::score_unit(p.scale, p.softcap) : p.scale;
+    if constexpr (LEAN) FwdTile<T, MASK, BM, BN, GEN>::out_remat(p, o_out, lse_out);
+    const float scale = (OPT & FWD_GEN) != 0 ? fc::score_unit(p.scale, p.softcap) : p.scale;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -691,7 +746,8 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
             if ((lane & 3) == 0 && r < rows_valid) lse_out[r] = lse;
         }
     __syncwarp();
-    store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, 0, o_out, p.o_row_stride, rows_valid);
+    store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, 0, o_out, p.o_row_stride, rows_valid,
+                  GEN ? p.d / 8 : D / 8);
 }
 
 
@@ -716,8 +772,10 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
 // barrier per pair (id 1 + pair) publishes P.
 // Extra dynamic smem after the K and V tiles: P [WARPS/2][RW][BN] (16-bit), then f32 [WARPS][RW]
 // partial maxima and f32 [WARPS][RW] partial sums.
-template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES, bool CAP = false>
+template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES, bool GEN = false>
 __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
+    constexpr bool CAP = GEN;  // the general body (FWD_GEN): softcap, ALiBi, varlen, d < D
+    const int dch = GEN ? p.d / 8 : D / 8;
     static_assert(STAGES == 1, "key-split pairs use the one-stage schedule");
     static_assert(WARPS % 2 == 0 && WARPS <= 30, "warps come in pairs (named barriers 1..15)");
     constexpr int NTH = WARPS * 32;
@@ -742,20 +800,21 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int pair = warp >> 1, half = warp & 1;
-    const FwdTile<T, MASK, BM, BN> t(p);
+    const FwdTile<T, MASK, BM, BN, GEN> t(p);
+    if (t.rows_valid <= 0) return;  // past the end of a shorter sequence (varlen)
     if (t.n_max <= t.n_min) {
         t.template write_empty<D, NTH>(p, tid);
         return;
     }
-    const int sq = p.sq, sk = p.sk;
+    const int sq = t.sq, sk = t.sk;
     const int wl = p.window_left, wr = p.window_right;
 
     // Prologue: Q and the first (highest) key tile.
-    load_tile<BM, D, NTH, true>(sQ, t.qg, p.q_row_stride, t.rows_valid, tid);
+    load_tile<BM, D, NTH, true>(sQ, t.qg, p.q_row_stride, t.rows_valid, tid, dch);
     {
         const int nb = t.n_max - 1;
         load_tile<BN, D, NTH, true>(sK, t.kg + (int64_t)nb * BN * p.k_row_stride, p.k_row_stride,
-                              sk - nb * BN, tid);
+                              sk - nb * BN, tid, dch);
         cp_async_commit();
     }
 
@@ -803,14 +862,15 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
     for (int nb = t.n_max - 1; nb >= t.n_min; --nb) {
         cp_async_wait_all();
         __syncthreads();  // K[nb] landed; every warp is done with V[nb+1], P and the maxima
-        load_tile<BN, D, NTH, true>(sV, t.kv_tile_remat(p.v, p.v_batch_stride, p.v_head_stride,
+        load_tile<BN, D, NTH, true>(sV, t.kv_tile_remat(p, p.v, p.v_batch_stride, p.v_head_stride,
                                                   p.v_row_stride, p.h_ratio, nb),
-                              p.v_row_stride, sk - nb * BN, tid_remat());
+                              p.v_row_stride, sk - nb * BN, tid_remat(), dch);
         cp_async_commit();
 
         float s[MT][NS][4];
         qk_tile<T, D, MT, NS, true, 1>(s, q_lane, no_off, k_lane, no_off);
         softcap_tile<CAP>(s, p);
+        alibi_tile<CAP, BN>(s, p, CAP ? t.slope_remat(p) : 0.f, nb, warp_r0, sq, sk, half * HB);
         mask_tile<MASK, BN, MT, NS>(s, nb, warp_r0, row_thr, lane, sq, sk, wl, wr, half * HB);
         // Partial row maxima to smem (read back after the barrier: no registers held across it).
 #pragma unroll
@@ -825,9 +885,9 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
         __syncthreads();  // V[nb] landed; K[nb] is free; partial maxima visible
         if (nb > t.n_min) {
             const int nn = nb - 1;
-            load_tile<BN, D, NTH, true>(sK, t.kv_tile_remat(p.k, p.k_batch_stride, p.k_head_stride,
+            load_tile<BN, D, NTH, true>(sK, t.kv_tile_remat(p, p.k, p.k_batch_stride, p.k_head_stride,
                                                       p.k_row_stride, p.h_ratio, nn),
-                                  p.k_row_stride, sk - nn * BN, tid_remat());
+                                  p.k_row_stride, sk - nn * BN, tid_remat(), dch);
             cp_async_commit();
         }
 
@@ -901,7 +961,8 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
         }
     // This warp's O columns go through the pair's own Q rows (only the pair read them, before the
     // last tile's second __syncthreads).
-    store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, half * ND, og, p.o_row_stride, t.rows_valid);
+    store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, half * ND, og, p.o_row_stride, t.rows_valid,
+                  dch);
 }
 
 }  // namespace fc_sm80
@@ -938,7 +999,13 @@ __host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WAR
                     : (FWD_LAZY | FWD_XADDR |
                        (D == 128 && BN == 48 && fwd_pre_hopper_target() ? FWD_LEAN : 0));
 }
-// Whether a kernel holds a softcap body (FWD_CAP) beside its plain one. Not the d128 128x48 tile:
+// Whether a launch needs the general body (FWD_GEN): a score modifier, a packed batch, or a head
+// dim below the kernel's.
+__device__ __forceinline__ bool fwd_general(const FcParams& p, int D) {
+    return p.softcap > 0.f || p.alibi_slopes != nullptr || p.cu_seqlens_q != nullptr ||
+           p.cu_seqlens_k != nullptr || p.seqused_k != nullptr || p.d != D;
+}
+// Whether a kernel holds a softcap body (FWD_GEN) beside its plain one. Not the d128 128x48 tile:
 // beside a softcap body its plain body ran 2.5-4.7 % slower (H100, session 12), so softcap d128
 // without a mask takes the `_cap` twin of 128x32 (kernels/variants.rs `has_cap_body` mirrors this).
 __host__ __device__ constexpr bool fwd_has_cap_body(int D, int BN) { return !(D == 128 && BN == 48); }
@@ -958,14 +1025,14 @@ __host__ __device__ constexpr bool fwd_has_cap_body(int D, int BN) { return !(D 
     extern "C" __global__ void __launch_bounds__((WARPS) * 32)                                 \
         SYMBOL(const __grid_constant__ FcParams p) {                                           \
         if constexpr (((OPT) & fc_sm80::FWD_PAIR) != 0) {                                       \
-            if (p.softcap > 0.f)                                                               \
+            if (fc_sm80::fwd_general(p, HEAD_DIM))                                              \
                 fc_sm80::fwd_body_pair<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, true>(p); \
             else                                                                               \
                 fc_sm80::fwd_body_pair<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES>(p);  \
         } else if constexpr (fc_sm80::fwd_has_cap_body(HEAD_DIM, BLOCK_N)) {                     \
-            if (p.softcap > 0.f)                                                               \
+            if (fc_sm80::fwd_general(p, HEAD_DIM))                                              \
                 fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES,        \
-                                  (OPT) | fc_sm80::FWD_CAP>(p);                                \
+                                  (OPT) | fc_sm80::FWD_GEN>(p);                                \
             else                                                                               \
                 fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT>(p); \
         } else {                                                                               \

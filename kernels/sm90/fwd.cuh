@@ -51,8 +51,13 @@
 //   Requirements the host must check (else use the sm80 path): head_dim % 64 == 0; q/k/v base
 //   addresses 16-B aligned and their row/head/batch strides multiples of 8 elements; o base 16-B
 //   aligned and o strides multiples of 8 elements (TMA store, 16-byte zero stores); mask none or causal
-//   (window_left = -1, window_right in {-1, 0}); softcap == 0, or > 0 for the FC_SM90_FWD_CAP twins;
-//   no ALiBi; num_splits == 1.
+//   (window_left = -1, window_right in {-1, 0}); softcap == 0 and no ALiBi, or either for the
+//   FC_SM90_FWD_CAP twins (the score-modifier body); num_splits == 1. p.d <= HEAD_DIM: the maps'
+//   globalDim d = p.d, so TMA zero-fills the columns beyond it and the O store clips them.
+//   Varlen (p.cu_seqlens_q/k set, fc::seq_range): q/o maps over the packed (d, total_q, hq, 1)
+//   rows and k/v over (d, total_k, hkv, 1), batch coordinate 0; tiles past a shorter sequence are
+//   skipped by the scheduler; key rows past the sequence's end that a box reads are masked; O
+//   leaves through 16-byte stores of the sequence's rows (a TMA box would write the next one's).
 // ---------------------------------------------------------------------------------------------
 #pragma once
 #include <cuda_fp16.h>
@@ -61,6 +66,7 @@
 #include <cuda.h>
 #include "../common/params.h"
 #include "../common/softmax.cuh"
+#include "../common/seqlens.cuh"
 #include "hopper.cuh"
 
 
@@ -125,7 +131,9 @@ struct FwdSm90 {
     static constexpr bool DYN = CAUSAL && (D <= 128 || BN == 64);
     // d64, and d256 on the dynamic schedule, with two consumer warpgroups: the producer (TMA thread
     // + tile scheduler) spills at 24 registers, 40 then, and 232 for the consumers.
-    static constexpr bool PROD40 = D == 64 || (D > 128 && DYN);
+    // Since session 13 the dynamic schedule's threads carry each tile's sequence range (varlen):
+    // at 24 registers the d128 causal producer spilled 32 B, so every DYN kernel takes 40.
+    static constexpr bool PROD40 = D == 64 || DYN;
     static constexpr int PROD_REGS = NC == 2 ? (PROD40 ? 40 : 24) : 32;
     static constexpr int CONS_REGS = NC == 2 ? (PROD40 ? 232 : 240) : NC == 3 ? 160 : 112;
     static_assert((NC * CONS_REGS + PROD_REGS) * 128 <= (65536 / NTHREADS) / 8 * 8 * NTHREADS,
@@ -192,10 +200,10 @@ struct FwdSm90 {
         }
         return acc;
     }
-    __device__ static __forceinline__ int n_tiles(const FcParams& p, int m_block) {
-        int n_max = (p.sk + BN - 1) / BN;
+    __device__ static __forceinline__ int n_tiles(const fc::SeqRange& sr, int m_block) {
+        int n_max = (sr.sk + BN - 1) / BN;
         if (CAUSAL) {
-            const int lim = (m_block + 1) * BM + p.sk - p.sq;  // keys < lim are visible to some row
+            const int lim = (m_block + 1) * BM + sr.sk - sr.sq;  // keys < lim are visible to some row
             n_max = lim <= 0 ? 0 : min(n_max, (lim + BN - 1) / BN);
         }
         return n_max;
@@ -220,6 +228,7 @@ struct FwdSm90 {
         // owns the schedule -> the TMA thread (dynamic) and the consumers
         auto sched_full = [&](int s) { return bars + 16u + 8u * (4 * STAGES + s); };
         auto sched_empty = [&](int s) { return bars + 16u + 8u * (4 * STAGES + 2 + s); };
+        // slot words: m_block, h, bi, k0, n_max, sq, sk, q0 (the tile's sequence: fc::seq_range)
         auto sched_val = [&](int s) { return bars + 16u + 8u * (4 * STAGES + 4) + 32u * s; };
         static_assert(16 + 8 * (4 * STAGES + 4) + 64 <= 256, "barrier area");
 
@@ -256,19 +265,23 @@ struct FwdSm90 {
             // ================= producer =================
             reg_dealloc<PROD_REGS>();
             uint32_t si = 0;  // tile-ring position
-            // slot = {m_block (-1 = stop), head, batch, kv head, key tiles}
-            auto publish = [&](int m_block, int h, int bi) {
+            // slot = {m_block (-1 = stop), head, batch, first key row, key tiles, sq, sk, first row}
+            auto publish = [&](int m_block, int h, int bi, const fc::SeqRange& sr) {
                 const int slot = si & 1;
                 mbar_wait(sched_empty(slot), ((si >> 1) & 1) ^ 1);
                 const uint32_t a = sched_val(slot);
                 fc::st_shared_b32(a, m_block);
                 fc::st_shared_b32(a + 4u, h);
                 fc::st_shared_b32(a + 8u, bi);
-                fc::st_shared_b32(a + 12u, h / p.h_ratio);
-                fc::st_shared_b32(a + 16u, m_block < 0 ? 0 : n_tiles(p, m_block));
+                fc::st_shared_b32(a + 12u, sr.k0);
+                fc::st_shared_b32(a + 16u, m_block < 0 ? 0 : n_tiles(sr, m_block));
+                fc::st_shared_b32(a + 20u, sr.sq);
+                fc::st_shared_b32(a + 24u, sr.sk);
+                fc::st_shared_b32(a + 28u, sr.q0);
                 mbar_arrive(sched_full(slot));
                 ++si;
             };
+            const fc::SeqRange none{0, 0, 0, 0};
             if (DYN && tid == 32) {
                 // scheduler thread (warp 1): tile `cta` first, then whatever the counter hands out
                 // (decode_tile: longest first), as soon as a ring slot is free. Without a counter:
@@ -277,9 +290,11 @@ struct FwdSm90 {
                      lin = p.tile_counter ? nctas + atomicAdd(p.tile_counter, 1) : lin + nctas) {
                     int m_block, h, bi;
                     decode_tile(p, num_m, lin, m_block, h, bi);
-                    publish(m_block, h, bi);
+                    const fc::SeqRange sr = fc::seq_range(p, bi);
+                    if (m_block * BM >= sr.sq) continue;  // past a shorter sequence (varlen)
+                    publish(m_block, h, bi, sr);
                 }
-                publish(-1, 0, 0);
+                publish(-1, 0, 0, none);
             }
             if (tid == 0) {
                 tma_prefetch_desc(tmq);
@@ -288,7 +303,7 @@ struct FwdSm90 {
                 PipeState<STAGES> ks, vs;
                 uint32_t qi = 0;
                 for (int k = 0;; ++k) {
-                    int m_block, h, bi, hk, n_max;
+                    int m_block, h, bi, hk, n_max, k0, q0;
                     if (DYN) {
                         const int slot = si & 1;
                         mbar_wait(sched_full(slot), (si >> 1) & 1);
@@ -296,20 +311,29 @@ struct FwdSm90 {
                         m_block = (int)fc::ld_shared_b32(a);
                         h = (int)fc::ld_shared_b32(a + 4u);
                         bi = (int)fc::ld_shared_b32(a + 8u);
-                        hk = (int)fc::ld_shared_b32(a + 12u);
+                        k0 = (int)fc::ld_shared_b32(a + 12u);
                         n_max = (int)fc::ld_shared_b32(a + 16u);
+                        q0 = (int)fc::ld_shared_b32(a + 28u);
                         mbar_arrive(sched_empty(slot));
                         ++si;
                         if (m_block < 0) break;
+                        hk = h / p.h_ratio;
                     } else {
                         if (k * nctas >= total) break;
                         const int lin = k * nctas + ((k & 1) ? nctas - 1 - cta : cta);
                         if (lin >= total) continue;
                         decode_tile(p, num_m, lin, m_block, h, bi);
-                        publish(m_block, h, bi);
+                        const fc::SeqRange sr = fc::seq_range(p, bi);
+                        if (m_block * BM >= sr.sq) continue;  // past a shorter sequence (varlen)
+                        publish(m_block, h, bi, sr);
                         hk = h / p.h_ratio;
-                        n_max = n_tiles(p, m_block);
+                        n_max = n_tiles(sr, m_block);
+                        k0 = sr.k0;
+                        q0 = sr.q0;
                     }
+                    // TMA batch coordinates: the packed varlen maps have one batch entry
+                    const int bq = p.cu_seqlens_q != nullptr ? 0 : bi;
+                    const int bk = p.cu_seqlens_k != nullptr ? 0 : bi;
                     if (n_max <= 0) continue;
                     auto load_k = [&](int n) {
                         mbar_wait(empty_k(ks.stage), ks.phase ^ 1);
@@ -317,7 +341,7 @@ struct FwdSm90 {
                         const uint32_t dst = sK + ks.stage * KV_BYTES;
 #pragma unroll
                         for (int c = 0; c < DB; ++c)
-                            tma_load_4d(dst + c * BN * 128, tmk, full_k(ks.stage), c * 64, n * BN, hk, bi, kEvictLast);
+                            tma_load_4d(dst + c * BN * 128, tmk, full_k(ks.stage), c * 64, k0 + n * BN, hk, bk, kEvictLast);
                         ks.advance();
                     };
                     auto load_v = [&](int n) {
@@ -326,7 +350,7 @@ struct FwdSm90 {
                         const uint32_t dst = sV + vs.stage * KV_BYTES;
 #pragma unroll
                         for (int c = 0; c < DB; ++c)
-                            tma_load_4d(dst + c * BN * 128, tmv, full_v(vs.stage), c * 64, n * BN, hk, bi, kEvictLast);
+                            tma_load_4d(dst + c * BN * 128, tmv, full_v(vs.stage), c * 64, k0 + n * BN, hk, bk, kEvictLast);
                         vs.advance();
                     };
                     load_k(n_max - 1);
@@ -335,7 +359,7 @@ struct FwdSm90 {
                     mbar_arrive_expect_tx(bar_q, Q_BYTES);
 #pragma unroll
                     for (int c = 0; c < DB; ++c)
-                        tma_load_4d(sQ + c * BM * 128, tmq, bar_q, c * 64, m_block * BM, h, bi, kEvictFirst);
+                        tma_load_4d(sQ + c * BM * 128, tmq, bar_q, c * 64, q0 + m_block * BM, h, bq, kEvictFirst);
                     ++qi;
 #pragma unroll 1
                     for (int n = n_max - 2; n >= 0; --n) {
@@ -344,7 +368,7 @@ struct FwdSm90 {
                     }
                     load_v(0);
                 }
-                if (!DYN) publish(-1, 0, 0);
+                if (!DYN) publish(-1, 0, 0, none);
             }
             return;
         }
@@ -355,7 +379,7 @@ struct FwdSm90 {
         const int t128 = tid & 127;
         const int warp = t128 >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
         const float sl2 = CAP ? fc::score_unit_log2(p.scale_log2, p.softcap) : p.scale_log2;
-        const float pre = CAP ? __fdividef(p.scale, p.softcap) : 0.f;  // softcap: S -> tanh(S * pre)
+        const float pre = CAP && p.softcap > 0.f ? __fdividef(p.scale, p.softcap) : 0.f;  // softcap: S -> tanh(S * pre)
         const uint64_t dq = desc_sw128(sQ + c * 8192, 16, 1024);
         const uint64_t dk = desc_sw128(sK, 16, 1024);
         const uint64_t dv = desc_sw128(sV, BN * 128, 1024);
@@ -382,30 +406,37 @@ struct FwdSm90 {
                 h = (int)fc::ld_shared_b32(sched_val(slot) + 4u);
                 bi = (int)fc::ld_shared_b32(sched_val(slot) + 8u);
             };
-            auto lse_row0 = [&]() {  // this (head, batch)'s LSE row
+            auto q0_of = [&]() { return (int)fc::ld_shared_b32(sched_val(slot) + 28u); };
+            auto lse_row0 = [&]() {  // this (head, sequence)'s LSE row
                 int h, bi;
                 head_batch(h, bi);
-                return p.lse + ((int64_t)bi * p.hq + h) * p.sq;
+                return fc::lse_ptr(p, bi, h, q0_of());
             };
             const int NT = (int)fc::ld_shared_b32(sched_val(slot) + 16u);
+            // the tile's sequence: its query rows and keys (dense: p.sq, p.sk), re-read from the
+            // slot where used (held in registers across the key loop, d128 causal spilled 32 B)
+            auto sq_of = [&]() { return (int)fc::ld_shared_b32(sched_val(slot) + 20u); };
+            auto sk_of = [&]() { return (int)fc::ld_shared_b32(sched_val(slot) + 24u); };
             const int row0 = m_block * BM + c * 64 + warp * 16 + g;  // rows row0 and row0 + 8
 
             if (NT <= 0) {
                 int h, bi;
                 head_batch(h, bi);
-                T* og = reinterpret_cast<T*>(p.o) + (int64_t)bi * p.o_batch_stride + (int64_t)h * p.o_head_stride;
+                T* og = reinterpret_cast<T*>(p.o) + (int64_t)bi * p.o_batch_stride + (int64_t)h * p.o_head_stride +
+                        (int64_t)q0_of() * p.o_row_stride;
                 float* lse_g = lse_row0();
+                const int sqv = sq_of();
                 // every row of this tile sees no key: O = 0, LSE = -inf (no smem use)
                 if (tq == 0) {
-                    if (row0 < p.sq) lse_g[row0] = -INFINITY;
-                    if (row0 + 8 < p.sq) lse_g[row0 + 8] = -INFINITY;
+                    if (row0 < sqv) lse_g[row0] = -INFINITY;
+                    if (row0 + 8 < sqv) lse_g[row0 + 8] = -INFINITY;
                 }
 #pragma unroll
                 for (int it = 0; it < 64 * CPR / 128; ++it) {
                     const int idx = it * 128 + t128;
                     const int rl = idx / CPR, chk = idx % CPR;
                     const int grow = m_block * BM + c * 64 + rl;
-                    if (grow < p.sq)
+                    if (grow < sqv && chk * 8 < p.d)
                         *reinterpret_cast<uint4*>(og + (int64_t)grow * p.o_row_stride + chk * 8) = make_uint4(0, 0, 0, 0);
                 }
                 mbar_arrive(sched_empty(slot));
@@ -421,7 +452,7 @@ struct FwdSm90 {
             // key tile n needs masking (it is the ragged last one or crosses the causal diagonal);
             // tiles are walked from the last down, so the masked ones come first
             auto need_mask = [&](int n) {
-                return (n * BN + BN > p.sk) || (CAUSAL && n * BN + BN - 1 > m_block * BM + p.sk - p.sq);
+                return (n * BN + BN > sk_of()) || (CAUSAL && n * BN + BN - 1 > m_block * BM + sk_of() - sq_of());
             };
             auto apply_mask = [&](int n) {
                 if (need_mask(n)) {
@@ -433,8 +464,8 @@ struct FwdSm90 {
                     int lim[2];
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
-                        lim[r] = p.sk - col0;
-                        if (CAUSAL) lim[r] = min(lim[r], row0 + 8 * r + p.sk - p.sq + 1 - col0);
+                        lim[r] = sk_of() - col0;
+                        if (CAUSAL) lim[r] = min(lim[r], row0 + 8 * r + sk_of() - sq_of() + 1 - col0);
                     }
 #pragma unroll
                     for (int i = 0; i < BN / 2; ++i)
@@ -495,6 +526,19 @@ struct FwdSm90 {
                 return FAST && !need_mask(n + 1) &&
                        !__any_sync(0xffffffffu, m_r[0] == -INFINITY || m_r[1] == -INFINITY);
             };
+            // The score modifiers of the CAP twins (runtime: softcap, ALiBi), element i of key tile n.
+            auto alibi_bias = [&](int n, int i) {
+                int h, bi;
+                head_batch(h, bi);
+                const int col = n * BN + 8 * (i >> 2) + 2 * tq + (i & 1);
+                const int diag = row0 + 8 * ((i >> 1) & 1) + sk_of() - sq_of();
+                return fc::alibi_slope_units(p, bi, h) * (float)abs(col - diag);
+            };
+            auto mod_score = [&](float v, int n, int i) {
+                if (p.softcap > 0.f) v = fc::softcap_tanh(v * pre);
+                if (p.alibi_slopes != nullptr) v -= alibi_bias(n, i);
+                return v;
+            };
             // Redo key tile n whose s[] holds P = 2^(x - mu) from a fast softmax_gen: back to the raw
             // scores (log2; x - mu >= 128 gave P = inf and is recomputed from Q and K stage `kst` in
             // shared memory), then `softmax`.
@@ -513,17 +557,28 @@ struct FwdSm90 {
                     big &= big - 1;
                     float v = score_smem(sQ, sK + kst * KV_BYTES, c * 64 + warp * 16 + g + 8 * ((i >> 1) & 1),
                                          8 * (i >> 2) + 2 * tq + (i & 1));
-                    if (CAP) v = fc::softcap_tanh(v * pre);
+                    if (CAP) v = mod_score(v, n, i);
 #pragma unroll
                     for (int j = 0; j < BN / 2; ++j)
                         if (j == i) s[j] = v;
                 }
                 softmax(n, alpha);
             };
-            auto cap_scores = [&]() {
+            auto cap_scores = [&](int n) {
                 if (CAP) {
+                    if (p.softcap > 0.f) {
 #pragma unroll
-                    for (int i = 0; i < BN / 2; ++i) s[i] = fc::softcap_tanh(s[i] * pre);
+                        for (int i = 0; i < BN / 2; ++i) s[i] = fc::softcap_tanh(s[i] * pre);
+                    }
+                    if (p.alibi_slopes != nullptr) {
+                        int h, bi;
+                        head_batch(h, bi);
+                        const float sl = fc::alibi_slope_units(p, bi, h);
+                        const int col0 = n * BN + 2 * tq, dg = row0 + sk_of() - sq_of();
+#pragma unroll
+                        for (int i = 0; i < BN / 2; ++i)
+                            s[i] -= sl * (float)abs(col0 + 8 * (i >> 2) + (i & 1) - dg - 8 * ((i >> 1) & 1));
+                    }
                 }
             };
             auto convert_p = [&]() {
@@ -568,7 +623,7 @@ struct FwdSm90 {
             if (FAST ? lane == 0 : t128 == 0) mbar_arrive(empty_k(ks.stage));
             ks.advance();
             float alpha[2];
-            cap_scores();
+            cap_scores(NT - 1);
             softmax(NT - 1, alpha);
             // ---- steady state. Iteration i: finish tile i-1's P V (wait, release V, rescale O, P_{i-1}
             // to registers), then issue S_i = Q K_i^T and O += P_{i-1} V_{i-1}; softmax_i overlaps that
@@ -618,7 +673,7 @@ struct FwdSm90 {
                 fence_regs(s);
                 kprev = ks.stage;
                 ks.advance();
-                cap_scores();
+                cap_scores(n);
                 if (FAST) {
                     // free the K stage now, or after fix_tile in the next finish_pv
                     // d64: a specialised copy for each case (one runtime-flagged body: -0.2 to -3.3 %
@@ -661,13 +716,14 @@ struct FwdSm90 {
                 l += __shfl_xor_sync(0xffffffffu, l, 2);
                 const bool empty = !(l > 0.f);
                 inv[r] = empty ? 0.f : 1.f / l;
-                lse[r] = empty ? -INFINITY : m_r[r] * (CAP ? p.softcap : p.scale) + logf(l);
+                lse[r] = empty ? -INFINITY : m_r[r] * (CAP ? fc::score_unit(p.scale, p.softcap) : p.scale) + logf(l);
             }
+            const int sqv = sq_of();
             if (tq == 0) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = row0 + 8 * r;
-                    if (row < p.sq) lse_g[row] = lse[r];
+                    if (row < sqv) lse_g[row] = lse[r];
                 }
             }
             // stage O (16-bit) into this warpgroup's 64-row slice of the O (or Q) buffer, 128B-swizzled
@@ -688,6 +744,29 @@ struct FwdSm90 {
             // One thread stores the slice with TMA (rows >= sq fall outside the map, so they are not
             // written): against 16-byte stores from every thread +0.8 % over the fa3 grid, +1.5-3 %
             // at d64/d128 up to 1k (H100, session 7, call G).
+            if (p.cu_seqlens_q != nullptr) {
+                // varlen, the sequence's last rows: 16-byte stores of its rows (a TMA box past the
+                // sequence's end would write the next sequence's rows)
+                named_sync(BAR_EPI + c, 128);
+                int h, bi;
+                head_batch(h, bi);
+                T* og = reinterpret_cast<T*>(p.o) + (int64_t)h * p.o_head_stride + (int64_t)q0_of() * p.o_row_stride;
+#pragma unroll
+                for (int it = 0; it < 64 * CPR / 128; ++it) {
+                    const int idx = it * 128 + t128;
+                    const int rl = idx / CPR, chk = idx % CPR;
+                    const int grow = m_block * BM + c * 64 + rl;
+                    const uint32_t off = (chk >> 3) * BM * 128 + slice + rl * 128 + (((chk & 7) ^ (rl & 7)) << 4);
+                    if (grow < sqv && chk * 8 < p.d)
+                        *reinterpret_cast<uint4*>(og + (int64_t)grow * p.o_row_stride + chk * 8) =
+                            *reinterpret_cast<const uint4*>(gsO + off);
+                }
+                named_sync(BAR_EPI + c, 128);
+                if (!SEP_O && t128 == 0) mbar_arrive(q_empty);
+                mbar_arrive(sched_empty(slot));
+                ++qi;
+                continue;
+            }
             fence_proxy_async_smem();
             named_sync(BAR_EPI + c, 128);
             if (t128 == 0) {

@@ -176,6 +176,26 @@ pub(crate) fn launch_params_pdl(
     kernel: &str,
     shape: &str,
 ) -> candle_core::Result<()> {
+    let mut args = [params as *const FcParams as *mut std::ffi::c_void];
+    // SAFETY: the kernel's signature is `(const FcParams)`; `args` holds one pointer to it, alive
+    // for the call (the driver copies parameters at launch). Pointers inside `params` refer to
+    // live allocations (checked by the caller).
+    unsafe { launch_pdl(stream, f, cfg, &mut args, kernel, shape) }
+}
+
+/// [`launch_params_pdl`] with any arguments.
+///
+/// # Safety
+/// `args` must point to values matching the kernel's parameters, alive for the call, and every
+/// device pointer among them must refer to a live allocation of the sizes the kernel uses.
+pub(crate) unsafe fn launch_pdl(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &mut [*mut std::ffi::c_void],
+    kernel: &str,
+    shape: &str,
+) -> candle_core::Result<()> {
     use cudarc::driver::sys;
     let fail =
         |what: String| launch_err(kernel, shape, &cfg, ", programmatic dependent launch", what);
@@ -199,10 +219,7 @@ pub(crate) fn launch_params_pdl(
         attrs: &mut attr,
         numAttrs: 1,
     };
-    let mut args = [params as *const FcParams as *mut std::ffi::c_void];
-    // SAFETY: the kernel's signature is `(const FcParams)`; `args` holds one pointer to it, alive
-    // for the call (the driver copies parameters at launch). Pointers inside `params` refer to
-    // live allocations (checked by the caller).
+    // SAFETY: as the caller promises for `args`; `config` and its attribute outlive the call.
     let r = unsafe {
         sys::cuLaunchKernelEx(
             &config,

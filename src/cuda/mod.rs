@@ -9,7 +9,8 @@ pub mod variants;
 
 pub use arch::{set_arch_override, set_smem_limit_override, Arch};
 
-use crate::params::{Mask, Problem};
+use crate::op::Extra;
+use crate::params::{Keys, Mask, Problem, Seqs};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::{DType, Layout, Result, Tensor};
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
@@ -143,10 +144,38 @@ pub fn describe(
 }
 
 fn shape_str(p: &Problem) -> String {
+    let mut seqs = match p.seqs {
+        Seqs::Dense => String::new(),
+        Seqs::Varlen { total_q, total_k } => {
+            format!(" varlen total_q={total_q} total_k={total_k} (sq, sk = max)")
+        }
+    };
+    match p.keys {
+        Keys::Rows => {}
+        Keys::Used => seqs += " seqused_k",
+        Keys::Paged {
+            page_size,
+            num_pages,
+            max_pages,
+        } => {
+            seqs +=
+                &format!(" paged page_size={page_size} num_pages={num_pages} max_pages={max_pages}")
+        }
+    }
     format!(
-        "b={} sq={} sk={} hq={} hkv={} d={} {:?} mask={:?}",
+        "b={} sq={} sk={} hq={} hkv={} d={} {:?} mask={:?}{seqs}",
         p.b, p.sq, p.sk, p.hq, p.hkv, p.d, p.dtype, p.mask
     )
+}
+
+/// The compiled head dim a problem's head dim runs on: the smallest of 64, 128, 256 that holds
+/// it (the kernels zero-fill the columns beyond `p.d` in shared memory and never store them).
+pub fn kernel_head_dim(d: usize) -> u32 {
+    match d {
+        0..=64 => 64,
+        65..=128 => 128,
+        _ => 256,
+    }
 }
 
 fn kmask(m: Mask) -> KMask {
@@ -230,9 +259,6 @@ fn choose(p: &Problem, arch: Arch, smem: u32) -> Result<&'static Variant> {
             )))
         }
     };
-    if p.alibi {
-        return Err(unsupported("ALiBi slopes".into()));
-    }
     // The kernels mask with -inf raw scores and keep the row max of raw scores: that needs a
     // positive scale (0 turns masked scores into NaN, a negative one gives them weight +inf).
     if p.scale <= 0.0 {
@@ -242,7 +268,11 @@ fn choose(p: &Problem, arch: Arch, smem: u32) -> Result<&'static Variant> {
         )));
     }
     let mask = kmask(p.mask);
-    let d = p.d as u32;
+    let d = kernel_head_dim(p.d);
+    // Softcap and ALiBi run in score-modifier bodies, packed batches and head dims below the
+    // kernel's in the sm80 general bodies (`Variant::admits`).
+    let modified = p.softcap.is_some() || p.alibi;
+    let general = p.seqs != Seqs::Dense || p.keys != Keys::Rows || p.d != d as usize;
     let mut candidates: Vec<(&str, KKind)> = Vec::new();
     // Few query rows against a key range: split-KV decode (memory bound; the sm80 family's
     // mma.sync kernel serves every arch).
@@ -267,9 +297,9 @@ fn choose(p: &Problem, arch: Arch, smem: u32) -> Result<&'static Variant> {
                 ));
             } else if v.smem_bytes() > smem {
                 too_big.push(format!("{} needs {} B", v.symbol(), v.smem_bytes()));
-            } else if p.sq > v.max_sq as usize || !v.admits_softcap(p.softcap.is_some()) {
+            } else if p.sq > v.max_sq as usize || !v.admits(modified, general) {
                 // a later entry serves longer queries, or the problem's softcap choice
-                // (`Variant::admits_softcap`: softcap twins, kernels with a softcap body)
+                // (`Variant::admits`: softcap twins, kernels with a general body)
                 continue;
             } else {
                 return Ok(v);
@@ -390,12 +420,14 @@ fn decode(
         return launch::launch_params(&stream, f, cfg, &prm, &symbol, shape);
     }
     let n_lse = splits * p.b * p.hq * p.sq;
-    // One allocation for both partials (O first: n_lse * d floats, 16-byte aligned; then LSE).
-    let part: CudaSlice<f32> = alloc_out(dev, n_lse * (p.d + 1), shape)?;
+    // One allocation for both partials (O first: n_lse rows of the kernel's head dim, which the
+    // kernel writes whole even when p.d is smaller, 16-byte aligned; then LSE).
+    let kd = variant.head_dim as usize;
+    let part: CudaSlice<f32> = alloc_out(dev, n_lse * (kd + 1), shape)?;
     let (opp, _g1) = part.device_ptr(&stream);
-    let lpp = opp + (n_lse * p.d * 4) as u64;
+    let lpp = opp + (n_lse * kd * 4) as u64;
     if poison_on() {
-        launch::fill(&stream, opp, n_lse * (p.d + 1), 4, 0x7FC0_0000)?;
+        launch::fill(&stream, opp, n_lse * (kd + 1), 4, 0x7FC0_0000)?;
     }
     prm.o_partial = opp;
     prm.lse_partial = lpp;
@@ -423,7 +455,7 @@ fn decode(
 /// Runs the forward on CUDA storages; returns (O, LSE).
 pub(crate) fn forward(
     p: &Problem,
-    slopes: Option<&Tensor>,
+    extra: &Extra,
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
@@ -436,18 +468,40 @@ pub(crate) fn forward(
         smem_budget(&info)?,
     )?;
     match p.dtype {
-        DType::BF16 => run_typed::<bf16>(&dev, p, variant, slopes, q, k, v),
-        DType::F16 => run_typed::<f16>(&dev, p, variant, slopes, q, k, v),
+        DType::BF16 => run_typed::<bf16>(&dev, p, variant, extra, q, k, v),
+        DType::F16 => run_typed::<f16>(&dev, p, variant, extra, q, k, v),
         _ => unreachable!("choose() admits only f16 and bf16"),
     }
 }
+
+/// Device address of a small contiguous side tensor (ALiBi slopes, prefix sums) on q's device.
+fn side_ptr<T: candle_core::cuda_backend::CudaDType>(
+    t: &Tensor,
+    name: &str,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+) -> Result<u64> {
+    let (s, l) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(s) = &*s else {
+        candle_core::bail!("flashcore: {name}: must be on the CUDA device of q")
+    };
+    if !l.is_contiguous() {
+        candle_core::bail!(
+            "flashcore: {name}: must be contiguous, got strides {:?}",
+            l.stride()
+        )
+    }
+    Ok(ptr::<T>(s, l, stream)?.0)
+}
+
+/// Largest grid y / z dimension.
+const GRID_YZ: usize = 65535;
 
 #[allow(clippy::too_many_arguments)]
 fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr>(
     dev: &CudaDevice,
     p: &Problem,
     variant: &Variant,
-    slopes: Option<&Tensor>,
+    extra: &Extra,
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
@@ -457,8 +511,9 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     let stream = dev.cuda_stream();
     for (name, l) in [("q", q.1), ("k", k.1), ("v", v.1)] {
         // The kernels load 16-byte vectors: op::run makes misaligned views contiguous first.
+        let rank = l.dims().len();
         if !l.start_offset().is_multiple_of(8)
-            || l.stride()[..3].iter().any(|s| !s.is_multiple_of(8))
+            || l.stride()[..rank - 1].iter().any(|s| !s.is_multiple_of(8))
         {
             return Err(launch::err(
                 &symbol,
@@ -470,8 +525,10 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     let (qp, _) = ptr::<T>(q.0, q.1, &stream)?;
     let (kp, _) = ptr::<T>(k.0, k.1, &stream)?;
     let (vp, _) = ptr::<T>(v.0, v.1, &stream)?;
-    let n_out = p.b * p.sq * p.hq * p.d;
-    let n_lse = p.b * p.hq * p.sq;
+    let (total_q, total_k) = p.totals();
+    let paged = matches!(p.keys, Keys::Paged { .. });
+    let n_out = total_q * p.hq * p.d;
+    let n_lse = p.hq * total_q;
     let o: CudaSlice<T> = alloc_out(dev, n_out, &shape)?;
     let lse: CudaSlice<f32> = alloc_out(dev, n_lse, &shape)?;
     let (op, _og) = o.device_ptr(&stream);
@@ -480,30 +537,47 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         launch::fill(&stream, op, n_out, 2, 0x7FFF)?;
         launch::fill(&stream, lp, n_lse, 4, 0x7FC0_0000)?;
     }
-    let slopes_ptr = match slopes {
+    let slopes_ptr = match &extra.alibi_slopes {
         None => 0,
-        Some(t) => {
-            let (s, l) = t.storage_and_layout();
-            let candle_core::Storage::Cuda(s) = &*s else {
-                candle_core::bail!("flashcore: alibi_slopes: must be on the CUDA device of q")
-            };
-            if !l.is_contiguous() {
-                candle_core::bail!(
-                    "flashcore: alibi_slopes: must be contiguous, got strides {:?}",
-                    l.stride()
-                )
-            }
-            ptr::<f32>(s, l, &stream)?.0
+        Some(t) => side_ptr::<f32>(t, "alibi_slopes", &stream)?,
+    };
+    // Where the sequences live: prefix sums of packed q (and of packed k when the keys are rows),
+    // keys in use per sequence, the page table.
+    let side = |t: &Option<Tensor>, name: &str, want: bool| -> Result<u64> {
+        match (t, want) {
+            (_, false) => Ok(0),
+            (Some(t), true) => side_ptr::<u32>(t, name, &stream),
+            (None, true) => candle_core::bail!("flashcore: internal: {name} missing [{shape}]"),
         }
     };
-    let (wl, wr) = p.window();
-    let st = |l: &Layout| {
-        let s = l.stride();
-        (s[0] as i64, s[1] as i64, s[2] as i64)
+    let varlen_q = p.seqs != Seqs::Dense;
+    let varlen_k = varlen_q && p.keys == Keys::Rows;
+    let cu_q = side(&extra.cu_q, "cu_seqlens_q", varlen_q)?;
+    let cu_k = side(&extra.cu_k, "cu_seqlens_k", varlen_k)?;
+    let seqused = side(&extra.seqlens_k, "seqlens_k", p.keys != Keys::Rows)?;
+    let page_table = side(&extra.page_table, "page_table", paged)?;
+    let (page_size, page_table_stride) = match p.keys {
+        Keys::Paged {
+            page_size,
+            max_pages,
+            ..
+        } => (page_size as i32, max_pages as i32),
+        _ => (0, 0),
     };
-    let (qb, qr, qh) = st(q.1);
-    let (kb, kr, kh) = st(k.1);
-    let (vb, vr, vh) = st(v.1);
+    let (wl, wr) = p.window();
+    let [qb, qr, qh] = p.q_strides.map(|x| x as i64);
+    let [kb, kr, kh] = p.k_strides.map(|x| x as i64);
+    let [vb, vr, vh] = p.v_strides.map(|x| x as i64);
+    // O (b, sq, hq, d) or (total_q, hq, d) contiguous; LSE (b, hq, sq) or (hq, total_q).
+    let (o_batch_stride, lse_batch_stride, lse_head_stride) = if varlen_q {
+        (0, 0, total_q as i64)
+    } else {
+        (
+            (p.sq * p.hq * p.d) as i64,
+            (p.hq * p.sq) as i64,
+            p.sq as i64,
+        )
+    };
     let prm = FcParams {
         q: qp,
         k: kp,
@@ -522,9 +596,21 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         v_batch_stride: vb,
         v_row_stride: vr,
         v_head_stride: vh,
-        o_batch_stride: (p.sq * p.hq * p.d) as i64,
+        o_batch_stride,
         o_row_stride: (p.hq * p.d) as i64,
         o_head_stride: p.d as i64,
+        lse_batch_stride,
+        lse_head_stride,
+        cu_seqlens_q: cu_q,
+        cu_seqlens_k: cu_k,
+        seqused_k: seqused,
+        page_table,
+        page_table_stride,
+        page_size,
+        total_q: total_q as i32,
+        total_k: total_k as i32,
+        alibi_batch_stride: if p.alibi_per_batch { p.hq as i32 } else { 0 },
+        _pad2: 0,
         b: p.b as i32,
         hq: p.hq as i32,
         hkv: p.hkv as i32,
@@ -541,48 +627,99 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         _pad: 0,
         tile_counter: 0,
     };
+    // The check kernel reads the tables as the caller gave them (page table included).
+    let check_prm = prm;
+    // Paged prefill: the prefill kernels read K/V rows, not pages. The pages are gathered into
+    // dense scratch (`gather_paged`) and the problem continues on it with the keys in use per
+    // sequence (Keys::Used). Paged decode reads through the page table in the kernel.
+    let used: Problem;
+    let _scratch: Option<(CudaSlice<T>, CudaSlice<T>)>;
+    let (p, variant, prm) = if paged && variant.kind != KKind::Decode {
+        let (p2, prm2, bufs) = gather_paged::<T>(dev, p, prm, &shape)?;
+        used = p2;
+        _scratch = Some(bufs);
+        let info = device_info(dev)?;
+        let v2 = choose(
+            &used,
+            arch::select(info.major, info.minor)?,
+            smem_budget(&info)?,
+        )?;
+        (&used, v2, prm2)
+    } else {
+        _scratch = None;
+        (p, variant, prm)
+    };
+    let (kp, vp) = (prm.k, prm.v);
+    let symbol = variant.symbol();
     let smem = variant.smem_bytes();
     let f = launch::function(&stream, variant.family, &symbol, smem, &shape)?;
     match variant.kind {
         KKind::Fwd if variant.family == "sm90" => {
-            let strides = |l: &Layout| {
-                let s = l.stride();
-                [s[0], s[1], s[2]]
-            };
-            // (batch, row, head) strides in elements
+            // (batch, row, head) strides in elements. Packed operands are one batch entry of
+            // `total` rows (the kernel's batch coordinate is 0 for them).
             let enc = |base: u64,
+                       packed: bool,
                        seq: usize,
                        heads: usize,
                        strides: [usize; 3],
                        box_rows: u32,
                        name: &str| {
+                let (seq, batch) = if packed { (seq, 1) } else { (seq, p.b) };
                 let op = tma::Operand {
                     base,
                     d: p.d,
                     seq,
                     heads,
-                    batch: p.b,
+                    batch,
                     strides,
                     box_rows,
                 };
                 tma::encode(variant.dtype, &op, name).map_err(|e| launch::err(&symbol, &shape, e))
             };
-            let tm_q = enc(qp, p.sq, p.hq, strides(q.1), variant.block_m, "q")?;
-            let tm_k = enc(kp, p.sk, p.hkv, strides(k.1), variant.block_n, "k")?;
-            let tm_v = enc(vp, p.sk, p.hkv, strides(v.1), variant.block_n, "v")?;
-            // O (written by the op, strides as in `prm`): each consumer warpgroup stores 64 rows.
+            let rows_q = if varlen_q { total_q } else { p.sq };
+            let rows_k = if varlen_k { total_k } else { p.sk };
+            let tm_q = enc(
+                qp,
+                varlen_q,
+                rows_q,
+                p.hq,
+                p.q_strides,
+                variant.block_m,
+                "q",
+            )?;
+            let tm_k = enc(
+                kp,
+                varlen_k,
+                rows_k,
+                p.hkv,
+                p.k_strides,
+                variant.block_n,
+                "k",
+            )?;
+            let tm_v = enc(
+                vp,
+                varlen_k,
+                rows_k,
+                p.hkv,
+                p.v_strides,
+                variant.block_n,
+                "v",
+            )?;
+            // O (written by the op, strides as in `prm`): each consumer warpgroup stores 64 rows
+            // (varlen: 16-byte stores instead; the map is still encoded, unused).
             let o_strides =
                 [prm.o_batch_stride, prm.o_row_stride, prm.o_head_stride].map(|x| x as usize);
-            let tm_o = enc(op, p.sq, p.hq, o_strides, 64, "o")?;
+            let tm_o = enc(op, varlen_q, rows_q, p.hq, o_strides, 64, "o")?;
             let m_blocks = p.sq.div_ceil(variant.block_m as usize);
             let tiles = m_blocks * p.hq * p.b;
             // Persistent grid (one CTA per SM looping over tiles). Equal tiles (no mask) take the
             // kernel's static round-robin schedule. Causal problems on a dynamic-schedule kernel
             // draw their tiles from a zeroed counter, longest first (`sm90_dynamic`). Other
             // causal problems: persistent up to 8 query blocks, else one CTA per tile, the
-            // hardware balancing the unequal tiles. FLASHCORE_SM90_CAUSAL=static turns the dynamic
-            // schedule off (an A/B aid). A grid that does not match the kernel's schedule is
-            // slower, never wrong.
+            // hardware balancing the unequal tiles (persistent again when heads or batch exceed
+            // the grid's y / z limit). FLASHCORE_SM90_CAUSAL=static turns the dynamic schedule
+            // off (an A/B aid). A grid that does not match the kernel's schedule is slower, never
+            // wrong.
             let sms = device_info(dev)?.sm_count.max(1);
             let dynamic = sm90_dynamic(variant, p.mask, m_blocks) && !causal_static();
             let mut prm = prm;
@@ -594,20 +731,20 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
                 prm.tile_counter = c.device_ptr(&stream).0;
                 _counter = Some(c);
                 (tiles.min(sms) as u32, 1, 1)
-            } else if p.mask == Mask::None || m_blocks <= 8 {
+            } else if p.mask == Mask::None || m_blocks <= 8 || p.hq > GRID_YZ || p.b > GRID_YZ {
                 _counter = None;
                 (tiles.min(sms) as u32, 1, 1)
             } else {
                 _counter = None;
-                if p.hq > 65535 || p.b > 65535 {
-                    return Err(launch::err(
-                        &symbol,
-                        &shape,
-                        "heads_q and batch must each be <= 65535",
-                    ));
-                }
                 (m_blocks as u32, p.hq as u32, p.b as u32)
             };
+            if tiles > i32::MAX as usize {
+                return Err(launch::err(
+                    &symbol,
+                    &shape,
+                    format!("{tiles} query tiles: more than 2^31 - 1"),
+                ));
+            }
             let cfg = LaunchConfig {
                 grid_dim: grid,
                 block_dim: (variant.threads(), 1, 1),
@@ -629,34 +766,321 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
             })?;
             launch::check_sync(&stream, &symbol, &shape)?;
         }
-        KKind::Fwd => {
-            let m_blocks = p.sq.div_ceil(variant.block_m as usize);
-            // Masked kernels take (heads, query blocks, batch) and walk the query blocks
-            // heaviest first (kernels/sm80/fwd.cuh).
-            let (gx, gy) = if variant.mask == KMask::None {
-                (m_blocks, p.hq)
-            } else {
-                (p.hq, m_blocks)
-            };
-            if gy > 65535 || p.b > 65535 {
-                return Err(launch::err(
-                    &symbol,
-                    &shape,
-                    format!("grid ({gx}, {gy}, {}): query blocks (masked) or heads_q, and batch, must each be <= 65535", p.b),
-                ));
-            }
-            let cfg = LaunchConfig {
-                grid_dim: (gx as u32, gy as u32, p.b as u32),
-                block_dim: (variant.threads(), 1, 1),
-                shared_mem_bytes: smem,
-            };
-            launch::launch_params(&stream, &f, cfg, &prm, &symbol, &shape)?;
-        }
+        KKind::Fwd => sm80_fwd(p, variant, prm, &f, &stream, &symbol, &shape)?,
         KKind::Decode => decode(dev, p, variant, prm, &f, &shape)?,
+    }
+    if varlen_q || paged {
+        let pdl = device_info(dev)?.major == 9;
+        check_seqlens(&stream, &check_prm, n_out, n_lse, &shape, pdl)?;
     }
     drop((_og, _lg));
     Ok((
         CudaStorage::wrap_cuda_slice(o, dev.clone()),
         CudaStorage::wrap_cuda_slice(lse, dev.clone()),
     ))
+}
+
+/// The sm80 forward: grid (query blocks, heads, batch) without a mask, (heads, query blocks,
+/// batch) with one (the kernels walk the query blocks heaviest first). Grids past the y / z limit
+/// fold into several launches over slices of the batch and, without a mask, of the heads (whole
+/// K/V head groups): the parameter block's pointers move to each slice.
+#[allow(clippy::too_many_arguments)]
+fn sm80_fwd(
+    p: &Problem,
+    variant: &Variant,
+    prm: FcParams,
+    f: &cudarc::driver::CudaFunction,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    symbol: &str,
+    shape: &str,
+) -> Result<()> {
+    let m_blocks = p.sq.div_ceil(variant.block_m as usize);
+    let masked = variant.mask != KMask::None;
+    if masked && m_blocks > GRID_YZ {
+        return Err(launch::err(
+            symbol,
+            shape,
+            format!(
+                "{m_blocks} query blocks of a masked problem: at most {GRID_YZ} (seq_q <= {})",
+                GRID_YZ * variant.block_m as usize
+            ),
+        ));
+    }
+    let ratio = p.h_ratio();
+    // Heads per launch: all, or (no mask, more than the y limit) whole groups of `ratio`.
+    let head_chunk = if masked || p.hq <= GRID_YZ {
+        p.hq
+    } else {
+        (GRID_YZ / ratio) * ratio
+    };
+    let esz = 2u64;
+    for b0 in (0..p.b).step_by(GRID_YZ) {
+        let nb = (p.b - b0).min(GRID_YZ);
+        for h0 in (0..p.hq).step_by(head_chunk) {
+            let nh = (p.hq - h0).min(head_chunk);
+            let mut c = prm;
+            let (b0i, h0i) = (b0 as i64, h0 as i64);
+            let hk0 = (h0 / ratio) as i64;
+            c.b = nb as i32;
+            c.hq = nh as i32;
+            c.hkv = (nh / ratio) as i32;
+            c.q = prm.q + esz * (b0i * prm.q_batch_stride + h0i * prm.q_head_stride) as u64;
+            c.k = prm.k + esz * (b0i * prm.k_batch_stride + hk0 * prm.k_head_stride) as u64;
+            c.v = prm.v + esz * (b0i * prm.v_batch_stride + hk0 * prm.v_head_stride) as u64;
+            c.o = prm.o + esz * (b0i * prm.o_batch_stride + h0i * prm.o_head_stride) as u64;
+            c.lse = prm.lse + 4 * (b0i * prm.lse_batch_stride + h0i * prm.lse_head_stride) as u64;
+            if prm.alibi_slopes != 0 {
+                c.alibi_slopes =
+                    prm.alibi_slopes + 4 * (b0i * prm.alibi_batch_stride as i64 + h0i) as u64;
+            }
+            // the batch slice's entries of the per-sequence tables (0 = absent stays 0)
+            let at = |ptr: u64| if ptr == 0 { 0 } else { ptr + 4 * b0 as u64 };
+            c.cu_seqlens_q = at(prm.cu_seqlens_q);
+            c.cu_seqlens_k = at(prm.cu_seqlens_k);
+            c.seqused_k = at(prm.seqused_k);
+            let (gx, gy) = if masked {
+                (nh, m_blocks)
+            } else {
+                (m_blocks, nh)
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (gx as u32, gy as u32, nb as u32),
+                block_dim: (variant.threads(), 1, 1),
+                shared_mem_bytes: variant.smem_bytes(),
+            };
+            launch::launch_params(stream, f, cfg, &c, symbol, shape)?;
+        }
+    }
+    Ok(())
+}
+
+/// After a packed batch's kernels: `fc_check_seqlens` (kernels/common/seqlens.cuh) turns the
+/// whole O and LSE into NaN when the prefix sums lie (checked on the device: no host sync).
+fn check_seqlens(
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    prm: &FcParams,
+    n_o: usize,
+    n_lse: usize,
+    shape: &str,
+    pdl: bool,
+) -> Result<()> {
+    let sym = "fc_check_seqlens";
+    let f = launch::function(stream, "sm80", sym, 0, shape)?;
+    // one block per sequence checks its pages (block 0 also the prefix sums)
+    let blocks = if prm.page_table != 0 { prm.b as u32 } else { 1 };
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (no, nl) = (n_o as u64, n_lse as u64);
+    if pdl {
+        // On 9.x the check reads the tables while the attention kernel drains and waits for it
+        // (griddepcontrol.wait) only before filling NaN: its launch leaves the critical path.
+        let mut args = [
+            prm as *const FcParams as *mut std::ffi::c_void,
+            &no as *const u64 as *mut std::ffi::c_void,
+            &nl as *const u64 as *mut std::ffi::c_void,
+        ];
+        // SAFETY: signature (FcParams, u64, u64), as below.
+        return unsafe { launch::launch_pdl(stream, &f, cfg, &mut args, sym, shape) };
+    }
+    let mut b = stream.launch_builder(&f);
+    b.arg(prm).arg(&no).arg(&nl);
+    // SAFETY: signature (FcParams, u64, u64); the pointers in `prm` are the live O, LSE and
+    // prefix-sum buffers of this launch, O holding n_o 16-bit and LSE n_lse f32 elements.
+    unsafe { b.launch(cfg) }.map_err(|e| launch::err(sym, shape, format!("launch failed: {e}")))?;
+    launch::check_sync(stream, sym, shape)
+}
+
+/// Gathers a paged problem's K/V pages into dense `(b, sk, hkv, d)` scratch (`fc_gather_paged`,
+/// kernels/common/paged.cuh; rows past a sequence's length zero) and returns the same problem on
+/// it with the keys in use per sequence (`Keys::Used`), its parameter block, and the scratch.
+fn gather_paged<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    p: &Problem,
+    prm: FcParams,
+    shape: &str,
+) -> Result<(Problem, FcParams, (CudaSlice<T>, CudaSlice<T>))> {
+    let sym = "fc_gather_paged";
+    let stream = dev.cuda_stream();
+    let rows = p.b * p.sk;
+    if rows > i32::MAX as usize {
+        return Err(launch::err(
+            sym,
+            shape,
+            format!(
+                "batch * max_pages * page_size = {rows} gathered rows: more than 2^31 - 1 (split the batch)"
+            ),
+        ));
+    }
+    let n = rows * p.hkv * p.d;
+    let dk: CudaSlice<T> = alloc_out(dev, n, shape)?;
+    let dv: CudaSlice<T> = alloc_out(dev, n, shape)?;
+    let (dkp, gk) = dk.device_ptr(&stream);
+    let (dvp, gv) = dv.device_ptr(&stream);
+    let f = launch::function(&stream, "sm80", sym, 0, shape)?;
+    let sms = device_info(dev)?.sm_count.max(1);
+    let blocks = (n / 8).div_ceil(256).clamp(1, sms * 16);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&f);
+    b.arg(&prm).arg(&dkp).arg(&dvp);
+    // SAFETY: signature (FcParams, uint4*, uint4*); `prm` describes the live pools, page table
+    // and lengths, dk / dv hold b * sk * hkv * d elements of 16 bits.
+    unsafe { b.launch(cfg) }.map_err(|e| launch::err(sym, shape, format!("launch failed: {e}")))?;
+    launch::check_sync(&stream, sym, shape)?;
+    drop((gk, gv));
+    let row = p.hkv * p.d;
+    let strides = [p.sk * row, row, p.d];
+    let used = Problem {
+        keys: Keys::Used,
+        seqs: match p.seqs {
+            Seqs::Dense => Seqs::Dense,
+            Seqs::Varlen { total_q, .. } => Seqs::Varlen {
+                total_q,
+                total_k: rows,
+            },
+        },
+        k_strides: strides,
+        v_strides: strides,
+        ..p.clone()
+    };
+    let [kb, kr, kh] = strides.map(|x| x as i64);
+    let prm = FcParams {
+        k: dkp,
+        v: dvp,
+        k_batch_stride: kb,
+        k_row_stride: kr,
+        k_head_stride: kh,
+        v_batch_stride: kb,
+        v_row_stride: kr,
+        v_head_stride: kh,
+        page_table: 0,
+        page_table_stride: 0,
+        page_size: 0,
+        total_k: rows as i32,
+        ..prm
+    };
+    Ok((used, prm, (dk, dv)))
+}
+
+/// What `append_paged` writes: sequences, rows, and the pool's geometry.
+pub(crate) struct Append<'a> {
+    pub page_table: &'a Tensor,
+    pub positions: &'a Tensor,
+    /// Packed new rows: their prefix sums `(b + 1,)`; `None` for a dense `(b, n_new, hkv, d)`.
+    pub cu_new: Option<&'a Tensor>,
+    pub b: usize,
+    pub total: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub page_size: usize,
+    pub num_pages: usize,
+    pub max_pages: usize,
+}
+
+/// Writes the new rows `src` into the pool (`fc_append_paged`, kernels/common/paged.cuh): one
+/// launch for the whole batch. `name` is the pool's argument name (for errors).
+pub(crate) fn append_paged(
+    pool: (&mut CudaStorage, &Layout),
+    src: (&CudaStorage, &Layout),
+    a: &Append,
+    name: &str,
+) -> Result<()> {
+    let sym = "fc_append_paged";
+    let shape = format!(
+        "{name}: {} new rows into {} pages of {} x {} x {}, batch {}",
+        a.total, a.num_pages, a.page_size, a.hkv, a.d, a.b
+    );
+    if a.total == 0 {
+        return Ok(());
+    }
+    let dev = pool.0.device.clone();
+    let stream = dev.cuda_stream();
+    let (pl, sl) = (pool.1, src.1);
+    if !pl.start_offset().is_multiple_of(8) || pl.stride()[..3].iter().any(|s| !s.is_multiple_of(8))
+    {
+        candle_core::bail!(
+            "flashcore: {name}: the GPU append needs offset and strides that are multiples of 8 elements, got offset {} strides {:?}",
+            pl.start_offset(),
+            pl.stride()
+        )
+    }
+    let rank = sl.dims().len();
+    if !sl.start_offset().is_multiple_of(8)
+        || sl.stride()[..rank - 1].iter().any(|s| !s.is_multiple_of(8))
+    {
+        return Err(launch::err(
+            sym,
+            &shape,
+            format!(
+                "internal: misaligned new rows (offset {}, strides {:?})",
+                sl.start_offset(),
+                sl.stride()
+            ),
+        ));
+    }
+    let ss = sl.stride();
+    let (s_b, s_r, s_h) = if a.cu_new.is_some() {
+        (0, ss[0], ss[1])
+    } else {
+        (ss[0], ss[1], ss[2])
+    };
+    let ps = pl.stride();
+    use candle_core::backend::BackendStorage;
+    let (dst, src_ptr) = match pool.0.dtype() {
+        DType::BF16 => (
+            ptr::<bf16>(pool.0, pl, &stream)?.0,
+            ptr::<bf16>(src.0, sl, &stream)?.0,
+        ),
+        DType::F16 => (
+            ptr::<f16>(pool.0, pl, &stream)?.0,
+            ptr::<f16>(src.0, sl, &stream)?.0,
+        ),
+        dt => candle_core::bail!(
+            "flashcore: {name}: no CUDA append for dtype {dt:?} yet (the GPU kernels take f16 and bf16)"
+        ),
+    };
+    let pt = side_ptr::<u32>(a.page_table, "page_table", &stream)?;
+    let pos = side_ptr::<u32>(a.positions, "positions", &stream)?;
+    let cu = match a.cu_new {
+        Some(t) => side_ptr::<u32>(t, "cu_seqlens_new", &stream)?,
+        None => 0,
+    };
+    let n_new = if a.cu_new.is_some() { 0 } else { a.total / a.b };
+    let f = launch::function(&stream, "sm80", sym, 0, &shape)?;
+    let chunks = a.total * a.hkv * a.d / 8;
+    let sms = device_info(&dev)?.sm_count.max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (chunks.div_ceil(256).clamp(1, sms * 16) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let i = |x: usize| x as i64;
+    let n32 = |x: usize| x as i32;
+    let (sb, sr, sh) = (i(s_b), i(s_r), i(s_h));
+    let (pp, pr, ph) = (i(ps[0]), i(ps[1]), i(ps[2]));
+    let (b, nn, total, hkv, d) = (n32(a.b), n32(n_new), n32(a.total), n32(a.hkv), n32(a.d));
+    let (psz, np, mp) = (n32(a.page_size), n32(a.num_pages), n32(a.max_pages));
+    let mut lb = stream.launch_builder(&f);
+    lb.arg(&src_ptr).arg(&dst).arg(&pt).arg(&pos).arg(&cu);
+    lb.arg(&sb).arg(&sr).arg(&sh).arg(&pp).arg(&pr).arg(&ph);
+    lb.arg(&b)
+        .arg(&nn)
+        .arg(&total)
+        .arg(&hkv)
+        .arg(&d)
+        .arg(&psz)
+        .arg(&np)
+        .arg(&mp);
+    // SAFETY: signature as fc_append_paged in kernels/common/paged.cuh; src holds `total` rows of
+    // the given strides, the pool `num_pages` pages, the tables b (x max_pages) u32 entries; the
+    // kernel writes only rows whose page id is inside the pool.
+    unsafe { lb.launch(cfg) }
+        .map_err(|e| launch::err(sym, &shape, format!("launch failed: {e}")))?;
+    launch::check_sync(&stream, sym, &shape)
 }

@@ -24,6 +24,21 @@ pub struct FcParams {
     pub o_batch_stride: i64,
     pub o_row_stride: i64,
     pub o_head_stride: i64,
+    pub lse_batch_stride: i64,
+    pub lse_head_stride: i64,
+    /// Varlen: (b + 1) i32 prefix sums into the packed rows of q / k, or 0 (dense).
+    pub cu_seqlens_q: u64,
+    pub cu_seqlens_k: u64,
+    /// (b,) keys used per sequence, or 0.
+    pub seqused_k: u64,
+    /// Paged KV (not yet used): page table (b, page_table_stride) i32, or 0.
+    pub page_table: u64,
+    pub page_table_stride: i32,
+    pub page_size: i32,
+    pub total_q: i32,
+    pub total_k: i32,
+    pub alibi_batch_stride: i32,
+    pub _pad2: i32,
     pub b: i32,
     pub hq: i32,
     pub hkv: i32,
@@ -45,4 +60,4 @@ pub struct FcParams {
 // SAFETY: plain-old-data with the C layout the kernels declare.
 unsafe impl cudarc::driver::DeviceRepr for FcParams {}
 
-const _: () = assert!(std::mem::size_of::<FcParams>() == 8 * 8 + 12 * 8 + 14 * 4 + 8);
+const _: () = assert!(std::mem::size_of::<FcParams>() == 8 * 8 + 14 * 8 + 4 * 8 + 20 * 4 + 8);

@@ -1,0 +1,128 @@
+// Where sequence bi's query rows and keys live: the one description every kernel reads its rows
+// through (dense batches, packed variable-length batches; paged caches add a page table here).
+#pragma once
+#include <stdint.h>
+#include "params.h"
+
+namespace fc {
+
+struct SeqRange {
+    int q0;  // first row of the sequence in the packed q / o (0 when dense: batch strides apply)
+    int sq;  // query rows of the sequence
+    int k0;  // first key row in the packed k / v (0 when dense)
+    int sk;  // keys of the sequence
+};
+
+__device__ __forceinline__ int clamp_i(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// Sequence bi. Varlen: rows cu[bi]..cu[bi+1] of the packed tensors, clamped into the tensors
+// ([0, total]) and to the grid's bound (p.sq / p.sk = max_seqlen), so whatever the prefix sums
+// hold, no kernel reads or writes outside its buffers (a lying table is caught by the check
+// kernel, fc_check_seqlens, which turns the whole output into NaN).
+__device__ __forceinline__ SeqRange seq_range(const FcParams& p, int bi) {
+    SeqRange r;
+    if (p.cu_seqlens_q != nullptr) {
+        const int a = clamp_i(__ldg(p.cu_seqlens_q + bi), 0, p.total_q);
+        const int e = clamp_i(__ldg(p.cu_seqlens_q + bi + 1), a, p.total_q);
+        r.q0 = a;
+        r.sq = min(e - a, p.sq);
+    } else {
+        r.q0 = 0;
+        r.sq = p.sq;
+    }
+    if (p.cu_seqlens_k != nullptr) {
+        const int a = clamp_i(__ldg(p.cu_seqlens_k + bi), 0, p.total_k);
+        const int e = clamp_i(__ldg(p.cu_seqlens_k + bi + 1), a, p.total_k);
+        r.k0 = a;
+        r.sk = min(e - a, p.sk);
+    } else {
+        r.k0 = 0;
+        r.sk = p.sk;
+    }
+    if (p.seqused_k != nullptr) r.sk = min(r.sk, max(__ldg(p.seqused_k + bi), 0));
+    return r;
+}
+
+// Paged caches (p.page_table set): k/v are pools of p.total_k / p.page_size pages of p.page_size
+// rows, batch stride = page stride; sequence bi's key j is row j % page_size of page
+// page_table[bi * page_table_stride + j / page_size]. The page id is clamped into the pool, so a
+// lying table reads a wrong row of the pool, never outside it (the check kernel turns the output
+// into NaN). `key` < seq_range(p, bi).sk <= p.sk = page_table_stride * page_size.
+__device__ __forceinline__ int page_of(const FcParams& p, int bi, int key, int& slot) {
+    const int ps = p.page_size;
+    const int j = key / ps;
+    slot = key - j * ps;
+    return clamp_i(__ldg(p.page_table + (int64_t)bi * p.page_table_stride + j), 0, p.total_k / ps - 1);
+}
+__device__ __forceinline__ int64_t paged_row(const FcParams& p, int bi, int key, int64_t page_stride,
+                                             int64_t row_stride) {
+    int slot;
+    const int page = page_of(p, bi, key, slot);
+    return (int64_t)page * page_stride + (int64_t)slot * row_stride;
+}
+
+// LSE slot of row `row` (of the sequence) for sequence bi, head h.
+__device__ __forceinline__ float* lse_ptr(const FcParams& p, int bi, int h, int q0) {
+    return p.lse + (int64_t)bi * p.lse_batch_stride + (int64_t)h * p.lse_head_stride + q0;
+}
+
+// ALiBi slope of (sequence bi, head h) divided by the kept scores' unit (scale, or softcap), so
+// the kernels subtract slope_u * |j - (i + sk - sq)| from raw scores; 0 without ALiBi.
+__device__ __forceinline__ float alibi_slope_units(const FcParams& p, int bi, int h) {
+    if (p.alibi_slopes == nullptr) return 0.f;
+    const float unit = p.softcap > 0.f ? p.softcap : p.scale;
+    return __ldg(p.alibi_slopes + (int64_t)bi * p.alibi_batch_stride + h) / unit;
+}
+
+}  // namespace fc
+
+// Checks the tables of a varlen or paged launch and, if they lie, fills O (n_o 16-bit words,
+// contiguous) and LSE (n_lse f32) with NaN. Prefix sums (block 0): first 0, monotone, last ==
+// total, every length <= max_seqlen, for q and k. Paged (block i checks sequence i): the length
+// seqused_k[i] within the table (<= p.sk) and every page it uses within the pool. Launched after
+// the attention kernel on the same stream, so rows the attention could not place are NaN too.
+// Costs no host sync. Grid (b) with a page table, else (1); 256 threads. On sm_90 the host
+// launches it as a programmatic dependent (the tables are read before griddepcontrol.wait).
+extern "C" __global__ void __launch_bounds__(256) fc_check_seqlens(const FcParams p, uint64_t n_o, uint64_t n_lse) {
+    bool bad = false;
+    if (p.page_table != nullptr) {
+        const int bi = blockIdx.x;
+        const int len = p.seqused_k[bi];
+        bad |= len < 0 || len > p.sk;
+        const int used = (min(max(len, 0), p.sk) + p.page_size - 1) / p.page_size;
+        const int np = p.total_k / p.page_size;
+        for (int j = threadIdx.x; j < used; j += blockDim.x) {
+            const int page = p.page_table[(int64_t)bi * p.page_table_stride + j];
+            bad |= page < 0 || page >= np;
+        }
+    }
+    for (int i = threadIdx.x; blockIdx.x == 0 && i <= p.b; i += blockDim.x) {
+        if (p.cu_seqlens_q != nullptr) {
+            const int a = p.cu_seqlens_q[i];
+            if (i == 0) bad |= a != 0;
+            if (i == p.b) bad |= a != p.total_q;
+            if (i < p.b) {
+                const int e = p.cu_seqlens_q[i + 1];
+                bad |= e < a || e - a > p.sq || a < 0;
+            }
+        }
+        if (p.cu_seqlens_k != nullptr) {
+            const int a = p.cu_seqlens_k[i];
+            if (i == 0) bad |= a != 0;
+            if (i == p.b) bad |= a != p.total_k;
+            if (i < p.b) {
+                const int e = p.cu_seqlens_k[i + 1];
+                bad |= e < a || e - a > p.sk || a < 0;
+            }
+        }
+    }
+    if (!__syncthreads_or(bad)) return;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // launched as a programmatic dependent of the attention kernel (sm_90): the tables are
+    // inputs and were read above; O and LSE only once that kernel has finished
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+    uint16_t* o = reinterpret_cast<uint16_t*>(p.o);
+    for (uint64_t i = threadIdx.x; i < n_o; i += blockDim.x) o[i] = 0x7FFF;
+    for (uint64_t i = threadIdx.x; i < n_lse; i += blockDim.x) p.lse[i] = __int_as_float(0x7FC00000);
+}
