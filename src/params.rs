@@ -165,6 +165,25 @@ fn bad(arg: &str, rule: &str, got: impl std::fmt::Display) -> candle_core::Error
     candle_core::Error::Msg(format!("flashcore: {arg}: {rule}, got {got}"))
 }
 
+/// `t` (argument `name`) must be on the device of `anchor` (argument `anchor_name`).
+fn check_device(
+    name: &str,
+    t: &Tensor,
+    (anchor_name, anchor): (&str, &Tensor),
+) -> candle_core::Result<()> {
+    if t.device().same_device(anchor.device()) {
+        return Ok(());
+    }
+    Err(bad(
+        name,
+        &format!(
+            "must be on the same device as {anchor_name} ({:?})",
+            anchor.device().location()
+        ),
+        format!("{:?}", t.device().location()),
+    ))
+}
+
 fn strides4(name: &str, l: &Layout) -> candle_core::Result<[usize; 3]> {
     let s = l.stride();
     if s[3] != 1 && l.dims()[3] > 1 {
@@ -242,16 +261,7 @@ fn check_common(
         }
     }
     for (name, t) in [("k", k), ("v", v)] {
-        if !t.device().same_device(q.device()) {
-            return Err(bad(
-                name,
-                &format!(
-                    "must be on the same device as q ({:?})",
-                    q.device().location()
-                ),
-                format!("{:?}", t.device().location()),
-            ));
-        }
+        check_device(name, t, ("q", q))?;
     }
     if v.dims() != k.dims() {
         return Err(bad(
@@ -267,14 +277,14 @@ fn check_common(
             dk,
         ));
     }
-    if hkv == 0 || hq % hkv != 0 {
+    if hkv == 0 || !hq.is_multiple_of(hkv) {
         return Err(bad(
             "k",
             &format!("heads_q ({hq}) must be a multiple of heads_kv"),
             format!("heads_kv {hkv}"),
         ));
     }
-    if d == 0 || d > MAX_HEAD_DIM || d % 8 != 0 {
+    if d == 0 || d > MAX_HEAD_DIM || !d.is_multiple_of(8) {
         return Err(bad(
             "q",
             &format!("head_dim must be a multiple of 8 in 8..={MAX_HEAD_DIM}"),
@@ -308,16 +318,7 @@ fn check_common(
                 format!("{:?}", s.dims()),
             ));
         }
-        if !s.device().same_device(q.device()) {
-            return Err(bad(
-                "alibi_slopes",
-                &format!(
-                    "must be on the same device as q ({:?})",
-                    q.device().location()
-                ),
-                format!("{:?}", s.device().location()),
-            ));
-        }
+        check_device("alibi_slopes", s, ("q", q))?;
     }
     Ok((scale, per_batch))
 }
@@ -403,34 +404,7 @@ pub(crate) fn validate_varlen(
         ("cu_seqlens_q", cu_seqlens_q),
         ("cu_seqlens_k", cu_seqlens_k),
     ] {
-        if t.dtype() != DType::U32 {
-            return Err(bad(name, "dtype must be u32", format!("{:?}", t.dtype())));
-        }
-        if t.rank() != 1 || t.dims()[0] < 2 {
-            return Err(bad(
-                name,
-                "must have shape (batch + 1,) with batch >= 1",
-                format!("shape {:?}", t.dims()),
-            ));
-        }
-        if !t.device().same_device(q.device()) {
-            return Err(bad(
-                name,
-                &format!(
-                    "must be on the same device as q ({:?})",
-                    q.device().location()
-                ),
-                format!("{:?}", t.device().location()),
-            ));
-        }
-        if !t.is_contiguous() {
-            return Err(bad(
-                name,
-                "must be contiguous",
-                format!("strides {:?}", t.stride()),
-            ));
-        }
-        b = t.dims()[0] - 1;
+        b = check_cu(name, t, ("q", q))?;
     }
     if cu_seqlens_q.dims() != cu_seqlens_k.dims() {
         return Err(bad(
@@ -570,16 +544,7 @@ fn check_index(
             format!("shape {:?}", t.dims()),
         ));
     }
-    if !t.device().same_device(q.device()) {
-        return Err(bad(
-            name,
-            &format!(
-                "must be on the same device as {anchor} ({:?})",
-                q.device().location()
-            ),
-            format!("{:?}", t.device().location()),
-        ));
-    }
+    check_device(name, t, (anchor, q))?;
     if !t.is_contiguous() {
         return Err(bad(
             name,
@@ -588,6 +553,20 @@ fn check_index(
         ));
     }
     Ok(())
+}
+
+/// Checks prefix sums `(batch + 1,)` u32 beside `anchor` ([`check_index`]) with batch >= 1;
+/// returns the batch.
+fn check_cu(name: &str, t: &Tensor, anchor: (&str, &Tensor)) -> candle_core::Result<usize> {
+    check_index(name, t, anchor, &[None], "(batch + 1,) with batch >= 1")?;
+    if t.dims()[0] < 2 {
+        return Err(bad(
+            name,
+            "must have shape (batch + 1,) with batch >= 1",
+            format!("shape {:?}", t.dims()),
+        ));
+    }
+    Ok(t.dims()[0] - 1)
 }
 
 /// [`validate`] for a paged KV cache: k/v pools `(num_pages, page_size, heads_kv, d)`, a page
@@ -637,15 +616,7 @@ pub(crate) fn validate_paged(
                 ));
             }
             let (total_q, hq, d) = q.dims3()?;
-            check_index("cu_seqlens_q", cu_q, ("q", q), &[None], "(batch + 1,)")?;
-            let b = cu_q.dims()[0].saturating_sub(1);
-            if b == 0 {
-                return Err(bad(
-                    "cu_seqlens_q",
-                    "must have shape (batch + 1,) with batch >= 1",
-                    format!("shape {:?}", cu_q.dims()),
-                ));
-            }
+            let b = check_cu("cu_seqlens_q", cu_q, ("q", q))?;
             if total_q > MAX_TOTAL_ROWS {
                 return Err(bad("q", "total_q must be < 2^31", total_q));
             }
@@ -875,18 +846,9 @@ pub(crate) fn validate_append(
                 format!("{:?}", t.dtype()),
             ));
         }
-        if !t.device().same_device(k_pages.device()) {
-            return Err(bad(
-                name,
-                &format!(
-                    "must be on the same device as k_pages ({:?})",
-                    k_pages.device().location()
-                ),
-                format!("{:?}", t.device().location()),
-            ));
-        }
+        check_device(name, t, ("k_pages", k_pages))?;
     }
-    if d % 8 != 0 || d == 0 {
+    if !d.is_multiple_of(8) || d == 0 {
         return Err(bad("k_pages", "head_dim must be a multiple of 8", d));
     }
     if page_size == 0 || num_pages == 0 {
@@ -898,16 +860,10 @@ pub(crate) fn validate_append(
     }
     let (b, total) = match cu_new {
         None => (k_new.dims()[0], k_new.dims()[0] * k_new.dims()[1]),
-        Some(cu) => {
-            check_index(
-                "cu_seqlens_new",
-                cu,
-                ("k_pages", k_pages),
-                &[None],
-                "(batch + 1,)",
-            )?;
-            (cu.dims()[0].saturating_sub(1), k_new.dims()[0])
-        }
+        Some(cu) => (
+            check_cu("cu_seqlens_new", cu, ("k_pages", k_pages))?,
+            k_new.dims()[0],
+        ),
     };
     if b == 0 {
         return Err(bad(

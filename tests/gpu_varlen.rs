@@ -87,8 +87,9 @@ fn check_varlen(tag: &str, vl: &Varlen, p: &AttnParams, plain_too: bool) -> Resu
     check_packed(tag, vl, p, &|p| vl.run(p), plain_too.then_some(&plain))
 }
 
-/// A runner of a packed problem: O `(total_q, hq, d)` and LSE `(hq, total_q)`.
+/// A runner of a packed problem: O `(total_q, hq, d)` and LSE `(hq, total_q)`; or O only.
 type RunFn<'a> = &'a dyn Fn(&AttnParams) -> Result<(Tensor, Tensor)>;
+type RunOFn<'a> = &'a dyn Fn(&AttnParams) -> Result<Tensor>;
 
 /// [`check_varlen`] with the call under test given: `run` (O and LSE of `vl`'s problem, e.g.
 /// through a paged cache holding its keys) and optionally `run_o` (O only).
@@ -97,7 +98,7 @@ fn check_packed(
     vl: &Varlen,
     p: &AttnParams,
     run: RunFn,
-    run_o: Option<&dyn Fn(&AttnParams) -> Result<Tensor>>,
+    run_o: Option<RunOFn>,
 ) -> Result<f64> {
     let what = format!("{tag} {} {}", vl.shape_name(), opts_name(p));
     let t0 = std::time::Instant::now();
@@ -921,7 +922,7 @@ fn paged_lying_tables_give_nan() -> Result<()> {
         let p = options(&dev, 0, Mask::Causal, lens.len(), 8)?;
         let mut bad_page = pg.clone();
         let mut t = pg.table.clone();
-        t[pg.max_pages + 0] = pg.num_pages as u32 + 5; // sequence 1's first (used) page
+        t[pg.max_pages] = pg.num_pages as u32 + 5; // sequence 1's first (used) page
         bad_page.page_table = Tensor::from_vec(t, (lens.len(), pg.max_pages), &dev)?;
         let mut bad_len = pg.clone();
         let mut l: Vec<u32> = lens.iter().map(|x| x.1 as u32).collect();

@@ -37,7 +37,9 @@ fn paged_matches_varlen_on_the_cpu() -> Result<()> {
             right: Some(2),
         },
     ];
-    let cases: [(&[(usize, usize)], usize, usize); 5] = [
+    // (lengths (seq_q, seq_k), page size, pages shared by sequences 0 and 1)
+    type Case<'a> = (&'a [(usize, usize)], usize, usize);
+    let cases: [Case; 5] = [
         (&[(1, 33), (1, 16), (1, 1), (1, 0)], 16, 0),
         (&[(5, 40), (3, 100), (0, 7), (9, 9)], 16, 2),
         (&[(17, 64), (17, 65)], 64, 1),

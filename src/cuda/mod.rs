@@ -633,7 +633,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     // dense scratch (`gather_paged`) and the problem continues on it with the keys in use per
     // sequence (Keys::Used). Paged decode reads through the page table in the kernel.
     let used: Problem;
-    let _scratch: Option<(CudaSlice<T>, CudaSlice<T>)>;
+    let _scratch: Option<Scratch<T>>;
     let (p, variant, prm) = if paged && variant.kind != KKind::Decode {
         let (p2, prm2, bufs) = gather_paged::<T>(dev, p, prm, &shape)?;
         used = p2;
@@ -893,6 +893,9 @@ fn check_seqlens(
     launch::check_sync(stream, sym, shape)
 }
 
+/// Dense K and V scratch a paged cache is gathered into.
+type Scratch<T> = (CudaSlice<T>, CudaSlice<T>);
+
 /// Gathers a paged problem's K/V pages into dense `(b, sk, hkv, d)` scratch (`fc_gather_paged`,
 /// kernels/common/paged.cuh; rows past a sequence's length zero) and returns the same problem on
 /// it with the keys in use per sequence (`Keys::Used`), its parameter block, and the scratch.
@@ -901,7 +904,7 @@ fn gather_paged<T: candle_core::cuda_backend::CudaDType + cudarc::driver::Device
     p: &Problem,
     prm: FcParams,
     shape: &str,
-) -> Result<(Problem, FcParams, (CudaSlice<T>, CudaSlice<T>))> {
+) -> Result<(Problem, FcParams, Scratch<T>)> {
     let sym = "fc_gather_paged";
     let stream = dev.cuda_stream();
     let rows = p.b * p.sk;
