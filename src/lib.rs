@@ -59,6 +59,7 @@
 //! Backward is not implemented: using the output in a backward pass returns
 //! `candle_core::Error::BackwardNotSupported`.
 
+mod cache;
 mod op;
 mod params;
 mod reference;
@@ -66,6 +67,7 @@ mod reference;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+pub use cache::PagedKvCache;
 pub use params::{AttnParams, Mask, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS};
 
 use candle_core::{Result, Tensor};

@@ -290,3 +290,63 @@ fn paged_errors_name_the_argument() -> Result<()> {
     assert!(names(&e.to_string(), "k_new"), "{e}");
     Ok(())
 }
+
+/// `PagedKvCache`: sequences grow by appends of different sizes, one is freed and its pages go
+/// to a new one; attention over the cache equals dense attention over each sequence's rows; an
+/// append the pool cannot hold is an error that takes no page and writes nothing.
+#[test]
+fn paged_kv_cache_grows_frees_and_reuses() -> Result<()> {
+    let dev = Device::Cpu;
+    let (hq, hkv, d, ps) = (4, 2, 16, 8);
+    let mut cache = flashcore::PagedKvCache::new(12, ps, hkv, d, DType::F32, &dev)?;
+    let mut rows: Vec<Vec<(Tensor, Tensor)>> = Vec::new();
+    let ids: Vec<usize> = (0..3).map(|_| cache.add_sequence()).collect();
+    rows.resize(3, Vec::new());
+    for n_new in [3usize, 8, 1, 13] {
+        let k = Tensor::randn(0f32, 1., (3, n_new, hkv, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (3, n_new, hkv, d), &dev)?;
+        cache.append(&ids, &k, &v)?;
+        for (i, r) in rows.iter_mut().enumerate() {
+            r.push((k.narrow(0, i, 1)?, v.narrow(0, i, 1)?));
+        }
+    }
+    // 25 rows each: 4 pages each (7 rows spare in the last), all 12 in use; 8 more need a page
+    assert_eq!(cache.free_pages(), 0);
+    let k = Tensor::randn(0f32, 1., (1, 8, hkv, d), &dev)?;
+    let e = cache.append(&[ids[0]], &k, &k).unwrap_err().to_string();
+    assert!(e.contains("free pages"), "{e}");
+    assert_eq!(
+        cache.len(ids[0]),
+        Some(25),
+        "a failed append changed the length"
+    );
+    cache.free_sequence(ids[1])?;
+    assert_eq!(cache.free_pages(), 4);
+    let new = cache.add_sequence();
+    let kn = Tensor::randn(0f32, 1., (1, 30, hkv, d), &dev)?;
+    let vn = Tensor::randn(0f32, 1., (1, 30, hkv, d), &dev)?;
+    cache.append(&[new], &kn, &vn)?;
+    let live = [ids[0], new, ids[2]];
+    let dense_kv = |i: usize| -> Result<(Tensor, Tensor)> {
+        if i == 1 {
+            return Ok((kn.clone(), vn.clone()));
+        }
+        let (ks, vs): (Vec<Tensor>, Vec<Tensor>) = rows[i].iter().cloned().unzip();
+        Ok((Tensor::cat(&ks, 1)?, Tensor::cat(&vs, 1)?))
+    };
+    let (table, lens) = cache.tables(&live)?;
+    assert_eq!(lens.to_vec1::<u32>()?, vec![25, 30, 25]);
+    let q = Tensor::randn(0f32, 1., (3, 2, hq, d), &dev)?;
+    let p = AttnParams {
+        mask: Mask::Causal,
+        ..Default::default()
+    };
+    let o = flashcore::attention_paged(&q, cache.k_pages(), cache.v_pages(), &table, &lens, &p)?;
+    for i in 0..3 {
+        let (k, v) = dense_kv(i)?;
+        let want = flashcore::attention(&q.narrow(0, i, 1)?, &k, &v, &p)?;
+        let e = max_abs_diff(&o.narrow(0, i, 1)?, &want)?;
+        assert!(e < 1e-6, "sequence {i}: paged cache vs dense {e}");
+    }
+    Ok(())
+}

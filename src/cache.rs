@@ -1,0 +1,177 @@
+//! A small owner of a paged KV pool: hands out pages to sequences, appends their new rows
+//! (`append_kv_paged`) and builds the page table and lengths that `attention_paged` reads. The
+//! bookkeeping is on the host; the pools and tables live on the pool's device.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// K/V pools `(num_pages, page_size, heads_kv, head_dim)` and the pages each live sequence owns.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let dev = Device::Cpu;
+/// let mut cache = flashcore::PagedKvCache::new(64, 16, 2, 64, DType::F32, &dev)?;
+/// let a = cache.add_sequence();
+/// let k = Tensor::randn(0f32, 1., (1, 20, 2, 64), &dev)?; // 20 new rows of sequence `a`
+/// cache.append(&[a], &k, &k)?;
+/// let (table, lens) = cache.tables(&[a])?;
+/// let q = Tensor::randn(0f32, 1., (1, 1, 8, 64), &dev)?;
+/// let o = flashcore::attention_paged(&q, cache.k_pages(), cache.v_pages(), &table, &lens,
+///                                    &Default::default())?;
+/// assert_eq!(cache.len(a), Some(20));
+/// assert_eq!(o.dims(), &[1, 1, 8, 64]);
+/// # Ok(()) }
+/// ```
+pub struct PagedKvCache {
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_size: usize,
+    /// Pages no sequence owns, handed out from the end.
+    free: Vec<u32>,
+    /// Per sequence id: its pages and its length in rows, `None` once freed.
+    seqs: Vec<Option<(Vec<u32>, usize)>>,
+}
+
+impl PagedKvCache {
+    /// Zeroed pools of `num_pages` pages of `page_size` rows.
+    pub fn new(
+        num_pages: usize,
+        page_size: usize,
+        heads_kv: usize,
+        head_dim: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if num_pages == 0 || page_size == 0 || num_pages > u32::MAX as usize {
+            candle_core::bail!(
+                "flashcore: PagedKvCache: num_pages and page_size must be >= 1 (num_pages < 2^32), got {num_pages} and {page_size}"
+            )
+        }
+        let shape = (num_pages, page_size, heads_kv, head_dim);
+        Ok(Self {
+            k_pages: Tensor::zeros(shape, dtype, device)?,
+            v_pages: Tensor::zeros(shape, dtype, device)?,
+            page_size,
+            free: (0..num_pages as u32).rev().collect(),
+            seqs: Vec::new(),
+        })
+    }
+
+    pub fn k_pages(&self) -> &Tensor {
+        &self.k_pages
+    }
+    pub fn v_pages(&self) -> &Tensor {
+        &self.v_pages
+    }
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+    /// Pages no sequence owns.
+    pub fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+    /// Rows of sequence `id`, or `None` if it is not live.
+    pub fn len(&self, id: usize) -> Option<usize> {
+        self.seqs.get(id)?.as_ref().map(|s| s.1)
+    }
+    /// Whether no sequence is live.
+    pub fn is_empty(&self) -> bool {
+        self.seqs.iter().all(Option::is_none)
+    }
+
+    /// A new empty sequence; returns its id.
+    pub fn add_sequence(&mut self) -> usize {
+        self.seqs.push(Some((Vec::new(), 0)));
+        self.seqs.len() - 1
+    }
+
+    /// Gives sequence `id`'s pages back to the pool.
+    pub fn free_sequence(&mut self, id: usize) -> Result<()> {
+        let (pages, _) = self.live(id)?.clone();
+        self.free.extend(pages.iter().rev());
+        self.seqs[id] = None;
+        Ok(())
+    }
+
+    fn live(&self, id: usize) -> Result<&(Vec<u32>, usize)> {
+        match self.seqs.get(id) {
+            Some(Some(s)) => Ok(s),
+            _ => candle_core::bail!("flashcore: PagedKvCache: sequence {id} is not live"),
+        }
+    }
+
+    /// Pages sequence `id` still needs to hold `n_new` more rows.
+    pub fn pages_needed(&self, id: usize, n_new: usize) -> Result<usize> {
+        let (pages, len) = self.live(id)?;
+        Ok((len + n_new)
+            .div_ceil(self.page_size)
+            .saturating_sub(pages.len()))
+    }
+
+    /// Appends `n_new` rows to each sequence of `ids` (distinct): `k_new` / `v_new` `(ids.len(),
+    /// n_new, heads_kv, head_dim)`. Pages are taken from the pool first; if they do not suffice
+    /// nothing is taken or written and the error says how many are missing.
+    pub fn append(&mut self, ids: &[usize], k_new: &Tensor, v_new: &Tensor) -> Result<()> {
+        let (b, n_new) = (k_new.dim(0)?, k_new.dim(1)?);
+        if b != ids.len() {
+            candle_core::bail!(
+                "flashcore: PagedKvCache::append: k_new's batch {b} must equal the number of sequence ids {}",
+                ids.len()
+            )
+        }
+        let mut need = 0;
+        for (n, &id) in ids.iter().enumerate() {
+            if ids[..n].contains(&id) {
+                candle_core::bail!("flashcore: PagedKvCache::append: sequence {id} appears twice")
+            }
+            need += self.pages_needed(id, n_new)?;
+        }
+        if need > self.free.len() {
+            candle_core::bail!(
+                "flashcore: PagedKvCache::append: needs {need} free pages, the pool has {}",
+                self.free.len()
+            )
+        }
+        let positions: Vec<u32> = ids
+            .iter()
+            .map(|&id| self.live(id).map(|s| s.1 as u32))
+            .collect::<Result<_>>()?;
+        for &id in ids {
+            let extra = self.pages_needed(id, n_new)?;
+            let take = self.free.split_off(self.free.len() - extra);
+            if let Some(Some((pages, _))) = self.seqs.get_mut(id) {
+                pages.extend(take.iter().rev());
+            }
+        }
+        let (table, _) = self.tables(ids)?;
+        let dev = self.k_pages.device();
+        let pos = Tensor::new(positions.as_slice(), dev)?;
+        crate::append_kv_paged(k_new, v_new, &self.k_pages, &self.v_pages, &table, &pos)?;
+        for &id in ids {
+            if let Some(Some((_, len))) = self.seqs.get_mut(id) {
+                *len += n_new;
+            }
+        }
+        Ok(())
+    }
+
+    /// The page table `(ids.len(), max_pages)` (unused entries 0) and lengths `(ids.len(),)`
+    /// of the sequences `ids`, u32 on the pool's device: what `attention_paged` takes.
+    pub fn tables(&self, ids: &[usize]) -> Result<(Tensor, Tensor)> {
+        let seqs = ids
+            .iter()
+            .map(|&id| self.live(id))
+            .collect::<Result<Vec<_>>>()?;
+        let width = seqs.iter().map(|s| s.0.len()).max().unwrap_or(0).max(1);
+        let mut table = vec![0u32; ids.len() * width];
+        for (i, (pages, _)) in seqs.iter().enumerate() {
+            table[i * width..i * width + pages.len()].copy_from_slice(pages);
+        }
+        let lens: Vec<u32> = seqs.iter().map(|s| s.1 as u32).collect();
+        let dev = self.k_pages.device();
+        Ok((
+            Tensor::from_vec(table, (ids.len(), width), dev)?,
+            Tensor::new(lens.as_slice(), dev)?,
+        ))
+    }
+}
