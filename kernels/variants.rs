@@ -153,6 +153,33 @@ impl Variant {
     pub const fn admits_softcap(&self, cap: bool) -> bool {
         self.admits(cap, false)
     }
+    /// Rows per TMA box when this kernel reads a paged K/V pool of `page_size`-row pages through
+    /// the page table, or `None` when the pages are gathered into dense scratch first. sm90
+    /// forward kernels (but the dynamic-schedule tiles with three consumer warpgroups, whose
+    /// producer has no room for the page walk: `FwdSm90::PAGED`, kernels/sm90/fwd.cuh) on
+    /// power-of-two pages; a box is min(page_size, the largest power of two dividing block_n)
+    /// rows, each inside one page. Used from 64-row boxes: 16-row boxes (pages of 16) ran 1.4-1.8x
+    /// slower than gathering on the H100 (session 15), 64 rows and up 0.96-1.00x the contiguous
+    /// cache; 32 was not measured.
+    pub const fn page_box(&self, page_size: usize) -> Option<u32> {
+        let three_dyn = self.block_m == 192
+            && matches!(self.mask, KMask::Causal)
+            && (self.head_dim <= 128 || self.block_n == 64);
+        if !self.is_family("sm90") || !matches!(self.kind, KKind::Fwd) || three_dyn {
+            return None;
+        }
+        if !page_size.is_power_of_two() {
+            return None;
+        }
+        let bn = self.block_n as usize;
+        let pow2 = bn & bn.wrapping_neg();
+        let rows = if page_size < pow2 { page_size } else { pow2 };
+        if rows >= 64 {
+            Some(rows as u32)
+        } else {
+            None
+        }
+    }
     pub const fn threads(&self) -> u32 {
         self.warps * 32
     }

@@ -826,7 +826,8 @@ fn grids_beyond_65535() -> Result<()> {
 }
 
 /// Paged caches on the GPU: decode (split-KV through the page table) and prefill / chunked
-/// prefill (pages gathered, then the prefill kernels), against the CPU reference of the same
+/// prefill (sm90: through the page table for power-of-two pages, else pages gathered, then the
+/// prefill kernels), against the CPU reference of the same
 /// keys packed. Shuffled pages, a prefix shared between two sequences, last pages partly filled
 /// (their unused rows NaN), unused table entries far outside the pool; page sizes 16, 64, 256 and
 /// an odd 48; sequences of 0 to 32k keys; GQA 1/4/8; every mask, softcap and both ALiBi shapes
@@ -900,6 +901,79 @@ fn paged_attention() -> Result<()> {
         }
     }
     println!("paged_attention: {n} cases passed");
+    Ok(())
+}
+
+/// Prefill over a paged pool: on sm90 read by the kernels through the page table where
+/// `Variant::page_box` allows (pages of 64 to 256 here; box by box, the rows of the last tile
+/// past each sequence's end zeroed in shared memory), gathered for pages of 16 and 32. The
+/// pools' unused rows are NaN, so a box or a V row read wrongly shows. Ragged lengths (1023, 4097),
+/// a shared prefix, sequences without queries or keys, GQA 1/4/8, causal and no mask (the sm90
+/// kernels' masks), d64 beyond 1k query rows (the 192-row causal tile gathers instead), both
+/// dtypes. On sm80 (forced) the same problems take the gather path.
+#[test]
+fn paged_prefill_through_the_page_table() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let mut rng = Rng::from_clock("paged_prefill");
+    let lens = vec![
+        (113, 1023),
+        (512, 4097),
+        (300, 300),
+        (0, 64),
+        (1, 1),
+        (40, 0),
+        (17, 129),
+    ];
+    let long_d64 = vec![(1100, 2500), (64, 700)];
+    let equal_q = vec![(96, 1023), (96, 4097), (96, 96), (96, 300)];
+    let cases = [
+        (
+            16usize,
+            128usize,
+            (32usize, 8usize),
+            Mask::Causal,
+            DType::BF16,
+            &lens,
+        ),
+        (32, 64, (8, 8), Mask::None, DType::F16, &lens),
+        (64, 128, (8, 1), Mask::None, DType::BF16, &lens),
+        (64, 256, (32, 8), Mask::Causal, DType::F16, &lens),
+        (256, 64, (32, 8), Mask::Causal, DType::BF16, &lens),
+        (256, 96, (8, 8), Mask::Causal, DType::BF16, &lens),
+        (128, 256, (8, 1), Mask::None, DType::BF16, &lens),
+        (64, 64, (32, 8), Mask::Causal, DType::BF16, &long_d64),
+        (64, 128, (32, 8), Mask::Causal, DType::BF16, &equal_q),
+        (16, 64, (8, 8), Mask::None, DType::F16, &equal_q),
+    ];
+    for (page_size, d, (hq, hkv), mask, dtype, lens) in cases {
+        let mut vl = Varlen::random(lens, hq, hkv, d, dtype, false, &dev)?;
+        let shared = if lens[0].1 >= 2 * page_size && lens[1].1 >= 2 * page_size {
+            2
+        } else {
+            0
+        };
+        if shared > 0 {
+            vl = vl.share_prefix(shared * page_size)?;
+        }
+        let pg = Paged::from_varlen(&vl, page_size, shared, &mut rng)?;
+        let p = AttnParams {
+            mask,
+            ..Default::default()
+        };
+        let tag = format!("paged-prefill page {page_size}");
+        let plain = |p: &AttnParams| pg.run_varlen(&vl, p).map(|r| r.0);
+        check_packed(&tag, &vl, &p, &|p| pg.run_varlen(&vl, p), Some(&plain))?;
+        if lens.iter().all(|l| l.0 == lens[0].0) {
+            check_packed(
+                &format!("{tag} dense q"),
+                &vl,
+                &p,
+                &|p| pg.run_dense(&vl, p),
+                None,
+            )?;
+        }
+    }
     Ok(())
 }
 

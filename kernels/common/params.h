@@ -36,13 +36,14 @@ struct FcParams {
     const int32_t* cu_seqlens_q;
     const int32_t* cu_seqlens_k;
     // (b,) keys in use per sequence (<= its key range), or null. Paged caches: page_table (b,
-    // page_table_stride) of page ids into k/v pools of page_size rows; null for now.
+    // page_table_stride) of page ids into k/v pools of page_size rows (common/seqlens.cuh), or null.
     const int32_t* seqused_k;
     const int32_t* page_table;
     int32_t page_table_stride, page_size;
     int32_t total_q, total_k;  // rows of the packed q and k/v (varlen); sq, sk when dense
     int32_t alibi_batch_stride;
-    int32_t _pad2;
+    // sm90 forward over a paged pool: log2(page_size) (page sizes 2^4..; sm90/fwd.cuh); 0 otherwise.
+    int32_t page_shift;
     // b: sequences; sq, sk: query rows and keys per sequence (varlen: max_seqlen_q / _k, the
     // bounds the grid is sized by; longer sequences are clamped there and flagged by the check
     // kernel). d: the head dim of the data (<= the kernel's HEAD_DIM; the kernels zero-fill the

@@ -58,6 +58,10 @@
 //   rows and k/v over (d, total_k, hkv, 1), batch coordinate 0; tiles past a shorter sequence are
 //   skipped by the scheduler; key rows past the sequence's end that a box reads are masked; O
 //   leaves through 16-byte stores of the sequence's rows (a TMA box would write the next one's).
+//   Paged K/V (p.page_table set, p.seqused_k the lengths, page_size = 2^p.page_shift >= 16): k/v
+//   maps over the pools as (d, page_size, hkv, num_pages) with boxDim { 64, min(page_size,
+//   BLOCK_N & -BLOCK_N), 1, 1 } (a box starts 2 KB-aligned in its stage): the TMA thread loads
+//   each key tile box by box through the page table (`load_tile`).
 // ---------------------------------------------------------------------------------------------
 #pragma once
 #include <cuda_fp16.h>
@@ -138,6 +142,10 @@ struct FwdSm90 {
     static constexpr int CONS_REGS = NC == 2 ? (PROD40 ? 232 : 240) : NC == 3 ? 160 : 112;
     static_assert((NC * CONS_REGS + PROD_REGS) * 128 <= (65536 / NTHREADS) / 8 * 8 * NTHREADS,
                   "setmaxnreg split over the CTA's register pool (the consumers' inc would hang)");
+    // Paged K/V read through the page table (`load_tile`): every kernel but the dynamic-schedule
+    // ones with three consumer warpgroups (d64 causal 192x128), whose 32-register producer spills
+    // 44 B with the page walk; the host gathers for those (`Variant::reads_pages`, kernels/variants.rs).
+    static constexpr bool PAGED = !(NC == 3 && DYN);
     static constexpr int BAR_SCHED = 1;            // named barriers 1..NC: ping-pong
     static constexpr int BAR_EPI = 1 + NC;         // named barriers NC+1..2NC: per-WG epilogue
     static constexpr bool BF = TypeInfo<T>::bf16;
@@ -228,7 +236,7 @@ struct FwdSm90 {
         // owns the schedule -> the TMA thread (dynamic) and the consumers
         auto sched_full = [&](int s) { return bars + 16u + 8u * (4 * STAGES + s); };
         auto sched_empty = [&](int s) { return bars + 16u + 8u * (4 * STAGES + 2 + s); };
-        // slot words: m_block, h, bi, k0, n_max, sq, sk, q0 (the tile's sequence: fc::seq_range)
+        // slot words: m_block, h, bi, k0 (paged: sk), n_max, sq, sk, q0 (the tile's sequence: fc::seq_range)
         auto sched_val = [&](int s) { return bars + 16u + 8u * (4 * STAGES + 4) + 32u * s; };
         static_assert(16 + 8 * (4 * STAGES + 4) + 64 <= 256, "barrier area");
 
@@ -273,7 +281,7 @@ struct FwdSm90 {
                 fc::st_shared_b32(a, m_block);
                 fc::st_shared_b32(a + 4u, h);
                 fc::st_shared_b32(a + 8u, bi);
-                fc::st_shared_b32(a + 12u, sr.k0);
+                fc::st_shared_b32(a + 12u, p.page_table != nullptr ? sr.sk : sr.k0);  // see load_tile
                 fc::st_shared_b32(a + 16u, m_block < 0 ? 0 : n_tiles(sr, m_block));
                 fc::st_shared_b32(a + 20u, sr.sq);
                 fc::st_shared_b32(a + 24u, sr.sk);
@@ -328,29 +336,49 @@ struct FwdSm90 {
                         publish(m_block, h, bi, sr);
                         hk = h / p.h_ratio;
                         n_max = n_tiles(sr, m_block);
-                        k0 = sr.k0;
+                        k0 = p.page_table != nullptr ? sr.sk : sr.k0;
                         q0 = sr.q0;
                     }
                     // TMA batch coordinates: the packed varlen maps have one batch entry
                     const int bq = p.cu_seqlens_q != nullptr ? 0 : bi;
                     const int bk = p.cu_seqlens_k != nullptr ? 0 : bi;
                     if (n_max <= 0) continue;
+                    // Key tile n of K or V into `dst`. Paged pools (p.page_table; page size 2^page_shift
+                    // >= 16; the host maps the pools as (d, page_size, hkv, pages) with boxes of
+                    // min(page_size, the largest power of two dividing BN) rows): the tile is loaded box
+                    // by box, each inside one page, its id clamped into the pool (as fc::page_of). A box
+                    // past the sequence's last key (k0 holds the key count here) reloads the box holding
+                    // it, as the barrier expects the whole tile: those keys are masked and the consumers
+                    // zero their V rows.
+                    auto load_tile = [&](uint32_t dst, const CUtensorMap* tm, uint32_t bar, int n) {
+                        const bool paged = PAGED && p.page_table != nullptr;
+                        const int sh = p.page_shift;
+                        const int pb = paged ? min(1 << sh, BN & -BN) : BN;
+#pragma unroll 1
+                        for (int r = 0; r < BN; r += pb) {
+                            int row = k0 + n * BN, page = bk;
+                            if (paged) {
+                                const int key = min(n * BN + r, (k0 - 1) & -pb);
+                                page = fc::clamp_i(
+                                    __ldg(p.page_table + (int64_t)bi * p.page_table_stride + (key >> sh)), 0,
+                                    (p.total_k >> sh) - 1);
+                                row = key & ((1 << sh) - 1);
+                            }
+#pragma unroll
+                            for (int c = 0; c < DB; ++c)
+                                tma_load_4d(dst + c * BN * 128 + r * 128, tm, bar, c * 64, row, hk, page, kEvictLast);
+                        }
+                    };
                     auto load_k = [&](int n) {
                         mbar_wait(empty_k(ks.stage), ks.phase ^ 1);
                         mbar_arrive_expect_tx(full_k(ks.stage), KV_BYTES);
-                        const uint32_t dst = sK + ks.stage * KV_BYTES;
-#pragma unroll
-                        for (int c = 0; c < DB; ++c)
-                            tma_load_4d(dst + c * BN * 128, tmk, full_k(ks.stage), c * 64, k0 + n * BN, hk, bk, kEvictLast);
+                        load_tile(sK + ks.stage * KV_BYTES, tmk, full_k(ks.stage), n);
                         ks.advance();
                     };
                     auto load_v = [&](int n) {
                         mbar_wait(empty_v(vs.stage), vs.phase ^ 1);
                         mbar_arrive_expect_tx(full_v(vs.stage), KV_BYTES);
-                        const uint32_t dst = sV + vs.stage * KV_BYTES;
-#pragma unroll
-                        for (int c = 0; c < DB; ++c)
-                            tma_load_4d(dst + c * BN * 128, tmv, full_v(vs.stage), c * 64, k0 + n * BN, hk, bk, kEvictLast);
+                        load_tile(sV + vs.stage * KV_BYTES, tmv, full_v(vs.stage), n);
                         vs.advance();
                     };
                     load_k(n_max - 1);
@@ -625,6 +653,24 @@ struct FwdSm90 {
             float alpha[2];
             cap_scores(NT - 1);
             softmax(NT - 1, alpha);
+            // Paged pools: the rows of the last key tile past the sequence's end hold whatever the
+            // page holds (P is 0 there, but 0 * NaN is NaN): zero them in its V stage (the first
+            // V tile of the loop) before any P V reads it. Both consumer warpgroups write the same
+            // zeros; each fences its writes for the async proxy and syncs its own threads.
+            if (PAGED && p.page_table != nullptr) {
+                const int valid = sk_of() - (NT - 1) * BN;
+                if (valid < BN) {
+                    mbar_wait(full_v(vs.stage), vs.phase);
+                    uint8_t* const vt = smem_raw + (sV + vs.stage * KV_BYTES - raw);
+                    const int units = (BN - valid) * 8;  // 16-byte units per 64-column block
+                    for (int i = t128; i < units * DB; i += 128) {
+                        const int cb = i / units, r = valid + (i % units) / 8, u = i % 8;
+                        *reinterpret_cast<uint4*>(vt + cb * BN * 128 + r * 128 + u * 16) = make_uint4(0, 0, 0, 0);
+                    }
+                    fence_proxy_async_smem();
+                    named_sync(BAR_EPI + c, 128);
+                }
+            }
             // ---- steady state. Iteration i: finish tile i-1's P V (wait, release V, rescale O, P_{i-1}
             // to registers), then issue S_i = Q K_i^T and O += P_{i-1} V_{i-1}; softmax_i overlaps that
             // P V. The wait for P V sits at the top of the next iteration (after the loop back-edge) so

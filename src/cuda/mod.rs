@@ -231,6 +231,13 @@ fn causal_static() -> bool {
     *ENV.get_or_init(|| std::env::var("FLASHCORE_SM90_CAUSAL").is_ok_and(|v| v == "static"))
 }
 
+/// `FLASHCORE_PAGED_GATHER=1`: paged prefill gathers the pages into dense scratch on sm90 too
+/// (instead of the kernels reading the pool through the page table): an A/B aid.
+fn paged_gather_forced() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENV.get_or_init(|| std::env::var("FLASHCORE_PAGED_GATHER").is_ok_and(|v| v == "1"))
+}
+
 /// Shared memory per block the dispatcher may plan with: the device's opt-in limit, lowered by
 /// [`arch::smem_limit_override`] (to run the tiles of smaller GPUs on a big one).
 fn smem_budget(info: &DeviceInfo) -> Result<u32> {
@@ -610,7 +617,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         total_q: total_q as i32,
         total_k: total_k as i32,
         alibi_batch_stride: if p.alibi_per_batch { p.hq as i32 } else { 0 },
-        _pad2: 0,
+        page_shift: 0,
         b: p.b as i32,
         hq: p.hq as i32,
         hkv: p.hkv as i32,
@@ -632,9 +639,19 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     // Paged prefill: the prefill kernels read K/V rows, not pages. The pages are gathered into
     // dense scratch (`gather_paged`) and the problem continues on it with the keys in use per
     // sequence (Keys::Used). Paged decode reads through the page table in the kernel.
+    //
+    // On sm90 the forward kernels read the pool through the page table themselves, box by box
+    // (`Variant::page_box`: power-of-two pages, boxes of at least 64 rows); FLASHCORE_PAGED_GATHER=1
+    // gathers there too (an A/B aid).
+    let page_box = if paged_gather_forced() {
+        None
+    } else {
+        variant.page_box(page_size as usize)
+    };
+    let in_kernel = paged && page_box.is_some();
     let used: Problem;
     let _scratch: Option<Scratch<T>>;
-    let (p, variant, prm) = if paged && variant.kind != KKind::Decode {
+    let (p, variant, prm) = if paged && variant.kind != KKind::Decode && !in_kernel {
         let (p2, prm2, bufs) = gather_paged::<T>(dev, p, prm, &shape)?;
         used = p2;
         _scratch = Some(bufs);
@@ -658,13 +675,11 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
             // (batch, row, head) strides in elements. Packed operands are one batch entry of
             // `total` rows (the kernel's batch coordinate is 0 for them).
             let enc = |base: u64,
-                       packed: bool,
-                       seq: usize,
+                       (seq, batch): (usize, usize),
                        heads: usize,
                        strides: [usize; 3],
                        box_rows: u32,
                        name: &str| {
-                let (seq, batch) = if packed { (seq, 1) } else { (seq, p.b) };
                 let op = tma::Operand {
                     base,
                     d: p.d,
@@ -676,40 +691,33 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
                 };
                 tma::encode(variant.dtype, &op, name).map_err(|e| launch::err(&symbol, &shape, e))
             };
-            let rows_q = if varlen_q { total_q } else { p.sq };
-            let rows_k = if varlen_k { total_k } else { p.sk };
-            let tm_q = enc(
-                qp,
-                varlen_q,
-                rows_q,
-                p.hq,
-                p.q_strides,
-                variant.block_m,
-                "q",
-            )?;
-            let tm_k = enc(
-                kp,
-                varlen_k,
-                rows_k,
-                p.hkv,
-                p.k_strides,
-                variant.block_n,
-                "k",
-            )?;
-            let tm_v = enc(
-                vp,
-                varlen_k,
-                rows_k,
-                p.hkv,
-                p.v_strides,
-                variant.block_n,
-                "v",
-            )?;
+            // (rows, batch entries) of each map: packed operands are one batch entry of `total`
+            // rows; a paged pool is `num_pages` entries of `page_size` rows.
+            let dims_q = if varlen_q { (total_q, 1) } else { (p.sq, p.b) };
+            let mut prm = prm;
+            let (dims_k, box_k) = match p.keys {
+                Keys::Paged {
+                    page_size,
+                    num_pages,
+                    ..
+                } => {
+                    let rows = page_box.ok_or_else(|| {
+                        launch::err(&symbol, &shape, "internal: paged pool without a box size")
+                    })?;
+                    prm.page_shift = page_size.trailing_zeros() as i32;
+                    ((page_size, num_pages), rows)
+                }
+                _ if varlen_k => ((total_k, 1), variant.block_n),
+                _ => ((p.sk, p.b), variant.block_n),
+            };
+            let tm_q = enc(qp, dims_q, p.hq, p.q_strides, variant.block_m, "q")?;
+            let tm_k = enc(kp, dims_k, p.hkv, p.k_strides, box_k, "k")?;
+            let tm_v = enc(vp, dims_k, p.hkv, p.v_strides, box_k, "v")?;
             // O (written by the op, strides as in `prm`): each consumer warpgroup stores 64 rows
             // (varlen: 16-byte stores instead; the map is still encoded, unused).
             let o_strides =
                 [prm.o_batch_stride, prm.o_row_stride, prm.o_head_stride].map(|x| x as usize);
-            let tm_o = enc(op, varlen_q, rows_q, p.hq, o_strides, 64, "o")?;
+            let tm_o = enc(op, dims_q, p.hq, o_strides, 64, "o")?;
             let m_blocks = p.sq.div_ceil(variant.block_m as usize);
             let tiles = m_blocks * p.hq * p.b;
             // Persistent grid (one CTA per SM looping over tiles). Equal tiles (no mask) take the
@@ -722,7 +730,6 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
             // wrong.
             let sms = device_info(dev)?.sm_count.max(1);
             let dynamic = sm90_dynamic(variant, p.mask, m_blocks) && !causal_static();
-            let mut prm = prm;
             let _counter: Option<CudaSlice<i32>>;
             let grid = if dynamic {
                 let c = stream.alloc_zeros::<i32>(1).map_err(|e| {

@@ -31,14 +31,15 @@ pub struct FcParams {
     pub cu_seqlens_k: u64,
     /// (b,) keys used per sequence, or 0.
     pub seqused_k: u64,
-    /// Paged KV (not yet used): page table (b, page_table_stride) i32, or 0.
+    /// Paged KV: page table (b, page_table_stride) i32, or 0.
     pub page_table: u64,
     pub page_table_stride: i32,
     pub page_size: i32,
     pub total_q: i32,
     pub total_k: i32,
     pub alibi_batch_stride: i32,
-    pub _pad2: i32,
+    /// sm90 forward over a paged pool: log2(page_size); 0 otherwise.
+    pub page_shift: i32,
     pub b: i32,
     pub hq: i32,
     pub hkv: i32,
