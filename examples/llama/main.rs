@@ -15,6 +15,7 @@
 mod generate;
 mod json;
 mod load;
+#[allow(dead_code)] // also examples/serve's model: its paged batches are unused here
 mod model;
 mod tokenizer;
 

@@ -331,6 +331,147 @@ impl KvCache {
     }
 }
 
+/// One sequence's share of a [`PagedBatch`]: its new tokens, the rows it already has in the
+/// cache (its new tokens take positions `cached..cached + tokens.len()`), and the pages holding
+/// its keys (enough for `cached + tokens.len()` rows).
+pub struct SeqStep<'a> {
+    pub tokens: &'a [u32],
+    pub cached: usize,
+    pub pages: &'a [u32],
+}
+
+/// The new tokens of several sequences packed into one forward pass whose keys and values live
+/// in per-layer paged pools `(num_pages, page_size, heads_kv, head_dim)` (the step of a
+/// continuous-batching loop, examples/serve). Built on the host once per step (a few small u32
+/// tensors) and read by every layer: the new K/V rows go into the pools with one
+/// `append_kv_paged_varlen`, attention reads them back through the page tables.
+///
+/// Attention runs per *group* of consecutive sequences: sequences with one new token (decode)
+/// form a group served by `attention_paged`'s split-KV kernel (query heads of a K/V head packed
+/// into one tile, keys read once), sequences with several (chunks of prefill) one served by
+/// `attention_paged_varlen`'s prefill kernels (a query tile per head; on pages they cannot read
+/// through the table, a gather of the group's pages first). Decodes riding in the prefill call
+/// would read their keys once per query head: a mixed step makes two calls per layer, not one.
+pub struct PagedBatch {
+    tokens: Tensor,
+    positions: Tensor,
+    table: Tensor,
+    cu_new: Tensor,
+    start: Tensor,
+    groups: Vec<AttnGroup>,
+    last_rows: Tensor,
+    cu: Vec<usize>,
+    total: usize,
+    max_position: usize,
+}
+
+/// Consecutive sequences of a [`PagedBatch`] that one attention call serves.
+struct AttnGroup {
+    first_row: usize,
+    rows: usize,
+    table: Tensor,
+    seqlens_k: Tensor,
+    /// `None` when every sequence has one new token; otherwise the group's `cu_seqlens_q`
+    /// (from its first row) and `max_seqlen_q`.
+    varlen: Option<(Tensor, usize)>,
+}
+
+/// Page table `(n, width)` (unused entries 0) of `seqs`, u32 on `device`.
+fn page_table(seqs: &[SeqStep], device: &Device) -> Result<Tensor> {
+    let width = seqs.iter().map(|s| s.pages.len()).max().unwrap_or(0).max(1);
+    let mut table = vec![0u32; seqs.len() * width];
+    for (row, s) in table.chunks_mut(width).zip(seqs) {
+        row[..s.pages.len()].copy_from_slice(s.pages);
+    }
+    Ok(Tensor::from_vec(table, (seqs.len(), width), device)?)
+}
+
+fn u32s(v: impl IntoIterator<Item = usize>, device: &Device) -> Result<Tensor> {
+    let v: Vec<u32> = v.into_iter().map(|x| x as u32).collect();
+    Ok(Tensor::new(v.as_slice(), device)?)
+}
+
+impl PagedBatch {
+    pub fn new(seqs: &[SeqStep], page_size: usize, device: &Device) -> Result<PagedBatch> {
+        if seqs.is_empty() {
+            bail!("PagedBatch: no sequences")
+        }
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut cu = vec![0usize];
+        for (i, s) in seqs.iter().enumerate() {
+            let end = s.cached + s.tokens.len();
+            if s.tokens.is_empty() || s.pages.len() * page_size < end {
+                bail!(
+                    "PagedBatch: sequence {i} has {} new tokens after {} cached rows in {} pages of {page_size}",
+                    s.tokens.len(),
+                    s.cached,
+                    s.pages.len()
+                )
+            }
+            tokens.extend_from_slice(s.tokens);
+            positions.extend(s.cached..end);
+            cu.push(tokens.len());
+        }
+        let max_position = positions.iter().copied().max().unwrap_or(0);
+        // Groups: runs of consecutive sequences of the same kind (one new token or several).
+        let mut groups = Vec::new();
+        let mut a = 0;
+        while a < seqs.len() {
+            let decode = seqs[a].tokens.len() == 1;
+            let mut b = a + 1;
+            while b < seqs.len() && (seqs[b].tokens.len() == 1) == decode {
+                b += 1;
+            }
+            let g = &seqs[a..b];
+            let varlen = if decode {
+                None
+            } else {
+                let cu_g = u32s(cu[a..=b].iter().map(|&c| c - cu[a]), device)?;
+                let max_q = g.iter().map(|s| s.tokens.len()).max().unwrap_or(1);
+                Some((cu_g, max_q))
+            };
+            groups.push(AttnGroup {
+                first_row: cu[a],
+                rows: cu[b] - cu[a],
+                table: page_table(g, device)?,
+                seqlens_k: u32s(g.iter().map(|s| s.cached + s.tokens.len()), device)?,
+                varlen,
+            });
+            a = b;
+        }
+        Ok(PagedBatch {
+            tokens: Tensor::new(tokens.as_slice(), device)?,
+            positions: u32s(positions, device)?,
+            table: page_table(seqs, device)?,
+            cu_new: u32s(cu.iter().copied(), device)?,
+            start: u32s(seqs.iter().map(|s| s.cached), device)?,
+            groups,
+            last_rows: u32s(cu[1..].iter().map(|&c| c - 1), device)?,
+            total: *cu.last().unwrap_or(&0),
+            cu,
+            max_position,
+        })
+    }
+
+    /// Takes the logits of sequence `i` at its new token `rows[i]` instead of its last one (the
+    /// last real token of a right-padded prompt).
+    pub fn logits_at(mut self, rows: &[usize]) -> Result<PagedBatch> {
+        let n = self.cu.len() - 1;
+        if rows.len() != n || (0..n).any(|i| self.cu[i] + rows[i] >= self.cu[i + 1]) {
+            bail!("PagedBatch::logits_at: rows {rows:?} do not index the {n} sequences' new tokens")
+        }
+        let device = self.last_rows.device().clone();
+        self.last_rows = u32s((0..n).map(|i| self.cu[i] + rows[i]), &device)?;
+        Ok(self)
+    }
+
+    /// Attention calls per layer (1, or 2 when decodes and prefill chunks share the step).
+    pub fn groups(&self) -> usize {
+        self.groups.len()
+    }
+}
+
 struct Attention {
     q_proj: Linear,
     k_proj: Linear,
@@ -401,6 +542,72 @@ impl Attention {
         self.o_proj
             .forward(&o.reshape((b, t, hq * d))?)
             .map_err(Into::into)
+    }
+}
+
+impl Attention {
+    /// [`Attention::forward`] for a [`PagedBatch`]: `x` `(1, total, hidden)` packed; the new
+    /// K/V go into `pool` and attention reads through the page tables (always flashcore).
+    fn forward_paged(
+        &self,
+        x: &Tensor,
+        cos_sin: &(Tensor, Tensor),
+        batch: &PagedBatch,
+        pool: &(Tensor, Tensor),
+    ) -> Result<Tensor> {
+        let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let total = batch.total;
+        let q = self.q_proj.forward(x)?.reshape((1, total, hq, d))?;
+        let k = self.k_proj.forward(x)?.reshape((1, total, hkv, d))?;
+        let v = self.v_proj.forward(x)?.reshape((total, hkv, d))?;
+        let (q, k) = Rope::apply_with(&q, &k, cos_sin)?;
+        let (k_pages, v_pages) = pool;
+        flashcore::append_kv_paged_varlen(
+            &k.reshape((total, hkv, d))?,
+            &v.contiguous()?,
+            k_pages,
+            v_pages,
+            &batch.table,
+            &batch.cu_new,
+            &batch.start,
+        )?;
+        let q = q.reshape((total, hq, d))?;
+        let params = flashcore::AttnParams {
+            softmax_scale: Some(softmax_scale(d) as f32),
+            mask: flashcore::Mask::Causal,
+            ..Default::default()
+        };
+        let mut outs = Vec::with_capacity(batch.groups.len());
+        for g in &batch.groups {
+            let qg = q.narrow(0, g.first_row, g.rows)?;
+            let o = match &g.varlen {
+                None => flashcore::attention_paged(
+                    &qg.reshape((g.rows, 1, hq, d))?,
+                    k_pages,
+                    v_pages,
+                    &g.table,
+                    &g.seqlens_k,
+                    &params,
+                )?
+                .reshape((g.rows, hq, d))?,
+                Some((cu_q, max_q)) => flashcore::attention_paged_varlen(
+                    &qg,
+                    k_pages,
+                    v_pages,
+                    &g.table,
+                    &g.seqlens_k,
+                    cu_q,
+                    *max_q,
+                    &params,
+                )?,
+            };
+            outs.push(o);
+        }
+        let o = match outs.len() {
+            1 => outs.pop().expect("one group"),
+            _ => Tensor::cat(&outs, 0)?,
+        };
+        Ok(self.o_proj.forward(&o.reshape((1, total, hq * d))?)?)
     }
 }
 
@@ -553,6 +760,26 @@ impl Rope {
         let k = candle_nn::rotary_emb::rope_thd(&k.contiguous()?, &cos, &sin)?;
         Ok((q, k))
     }
+
+    /// The `(t, head_dim / 2)` cos and sin rows of tokens at arbitrary positions (u32 `(t,)`,
+    /// each below the table's length: the caller checks, as `index_select` on a GPU does not).
+    fn at(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((
+            self.cos.index_select(positions, 0)?,
+            self.sin.index_select(positions, 0)?,
+        ))
+    }
+
+    /// Rotates `(1, t, h, d)` queries and keys by the rows [`Rope::at`] gathered.
+    fn apply_with(
+        q: &Tensor,
+        k: &Tensor,
+        (cos, sin): &(Tensor, Tensor),
+    ) -> Result<(Tensor, Tensor)> {
+        let q = candle_nn::rotary_emb::rope_thd(&q.contiguous()?, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope_thd(&k.contiguous()?, cos, sin)?;
+        Ok((q, k))
+    }
 }
 
 struct Mlp {
@@ -574,6 +801,21 @@ struct Block {
     attn: Attention,
     post_attn_norm: Tensor,
     mlp: Mlp,
+}
+
+impl Block {
+    /// Pre-norm residual block; `attn` maps the normed input to the attention output.
+    fn forward(
+        &self,
+        x: Tensor,
+        eps: f32,
+        attn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let h = candle_nn::ops::rms_norm(&x, &self.input_norm, eps)?;
+        let x = (x + attn(&h)?)?;
+        let h = candle_nn::ops::rms_norm(&x, &self.post_attn_norm, eps)?;
+        Ok((&x + self.mlp.forward(&h)?)?)
+    }
 }
 
 pub struct Model {
@@ -664,18 +906,16 @@ impl Model {
             AttnBackend::Flashcore => None,
         };
         for (block, layer_cache) in self.blocks.iter().zip(cache.layers.iter_mut()) {
-            let h = candle_nn::ops::rms_norm(&x, &block.input_norm, self.eps)?;
-            let a = block.attn.forward(
-                &h,
-                &self.rope,
-                pos,
-                layer_cache,
-                self.attn,
-                eager_mask.as_ref(),
-            )?;
-            x = (x + a)?;
-            let h = candle_nn::ops::rms_norm(&x, &block.post_attn_norm, self.eps)?;
-            x = (&x + block.mlp.forward(&h)?)?;
+            x = block.forward(x, self.eps, |h| {
+                block.attn.forward(
+                    h,
+                    &self.rope,
+                    pos,
+                    layer_cache,
+                    self.attn,
+                    eager_mask.as_ref(),
+                )
+            })?;
         }
         cache.len = pos + t;
         Ok(candle_nn::ops::rms_norm(&x, &self.norm, self.eps)?)
@@ -686,6 +926,37 @@ impl Model {
         let x = self.hidden(tokens, cache)?;
         let t = x.dim(1)?;
         let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
+        Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
+    }
+
+    /// Logits of each sequence's last new token, `(sequences, vocab)` f32, for a
+    /// [`PagedBatch`] over per-layer pools `(k_pages, v_pages)` (flashcore attention whatever
+    /// [`Model::attn`] says).
+    pub fn forward_paged(&self, batch: &PagedBatch, pools: &[(Tensor, Tensor)]) -> Result<Tensor> {
+        if pools.len() != self.blocks.len() {
+            bail!(
+                "{} K/V pools for a model of {} layers",
+                pools.len(),
+                self.blocks.len()
+            )
+        }
+        let max = self.rope.cos.dim(0)?;
+        if batch.max_position >= max {
+            bail!(
+                "position {} is beyond the rotary table ({max} positions)",
+                batch.max_position
+            )
+        }
+        // Every layer rotates the same positions: gather their cos/sin rows once.
+        let cos_sin = self.rope.at(&batch.positions)?;
+        let mut x = self.embed.forward(&batch.tokens)?.unsqueeze(0)?;
+        for (block, pool) in self.blocks.iter().zip(pools) {
+            x = block.forward(x, self.eps, |h| {
+                block.attn.forward_paged(h, &cos_sin, batch, pool)
+            })?;
+        }
+        let last = x.squeeze(0)?.index_select(&batch.last_rows, 0)?;
+        let last = candle_nn::ops::rms_norm(&last, &self.norm, self.eps)?;
         Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
     }
 

@@ -1,0 +1,268 @@
+//! The serving example (examples/serve/) on the CPU in f32: continuous batching (paged K/V
+//! pool, chunked prompts, decode and prefill in the same step, preemption and recomputation)
+//! and static batching must give every request exactly the tokens it gets when run alone.
+//! Models: the tiny random LLaMA of tests/fixtures and SmolLM2-135M-Instruct (GGUF; skipped
+//! with a message when scripts/fetch-smollm2.sh has not fetched it).
+
+#![allow(dead_code)] // the example's modules carry CLI-only helpers
+
+#[path = "../examples/serve/engine.rs"]
+mod engine;
+#[path = "../examples/llama/generate.rs"]
+mod generate;
+#[path = "../examples/llama/json.rs"]
+mod json;
+#[path = "../examples/llama/load.rs"]
+mod load;
+#[path = "../examples/llama/model.rs"]
+mod model;
+#[path = "fixtures/tiny_llama.rs"]
+mod tiny_llama;
+#[path = "../examples/llama/tokenizer.rs"]
+mod tokenizer;
+
+use anyhow::Result;
+use candle_core::{DType, Device};
+
+use engine::{KvPool, Limits, Options, Request, RunReport};
+use load::Source;
+use model::{AttnBackend, Model};
+
+fn tiny_model() -> Result<Model> {
+    let tmp = tiny_llama::TempDir::new("serve-tiny")?;
+    tiny_llama::write_tiny_llama(&tmp.0)?;
+    let loaded = load::load(
+        &Source::Dir(tmp.0.clone()),
+        None,
+        DType::F32,
+        &Device::Cpu,
+        AttnBackend::Flashcore,
+    )?;
+    Ok(loaded.model)
+}
+
+/// Requests with the given (prompt length, new tokens), prompts of pseudo-random ids below
+/// `vocab`.
+fn requests(shapes: &[(usize, usize)], vocab: usize, seed: u64) -> Vec<Request> {
+    let mut state = seed;
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(id, &(p, n))| Request {
+            id,
+            prompt: (0..p)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((state >> 33) % vocab as u64) as u32
+                })
+                .collect(),
+            max_new_tokens: n,
+            arrival: 0.0,
+        })
+        .collect()
+}
+
+fn quiet() -> Options {
+    Options {
+        eos: Vec::new(),
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 7,
+        progress: false,
+    }
+}
+
+fn assert_same_tokens(got: &RunReport, alone: &RunReport) {
+    assert_eq!(got.finished.len(), alone.finished.len());
+    for (g, a) in got.finished.iter().zip(&alone.finished) {
+        assert_eq!(g.id, a.id);
+        assert_eq!(
+            g.tokens, a.tokens,
+            "{}: request {} ({} prompt tokens, preempted {}x) differs from its run alone",
+            got.mode, g.id, g.prompt_tokens, g.preempted
+        );
+        assert_eq!(g.token_times.len(), g.tokens.len());
+    }
+}
+
+#[test]
+fn continuous_and_static_batching_match_one_at_a_time() -> Result<()> {
+    let model = tiny_model()?;
+    let vocab = model.config().vocab_size;
+    // Lengths around the page size (16): 1, 15, 16, 17 and several pages; one request with a
+    // single new token and one with none left after its first.
+    let shapes = [
+        (1, 9),
+        (15, 12),
+        (16, 1),
+        (17, 14),
+        (40, 7),
+        (113, 10),
+        (3, 16),
+        (64, 5),
+    ];
+    let reqs = requests(&shapes, vocab, 11);
+    let opt = quiet();
+    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32, &Device::Cpu)?;
+    for (r, &(_, n)) in alone.finished.iter().zip(&shapes) {
+        assert_eq!(r.tokens.len(), n);
+    }
+
+    // A budget of 24 tokens per step chunks the longer prompts and mixes them with decodes;
+    // at most 4 running requests makes the rest queue.
+    let limits = Limits {
+        max_seqs: 4,
+        max_batch_tokens: 24,
+    };
+    let mut pool = KvPool::new(model.config(), 64, 16, DType::F32, &Device::Cpu)?;
+    let cont = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool)?;
+    assert_same_tokens(&cont, &alone);
+    assert_eq!(cont.preemptions, 0);
+    assert!(
+        cont.steps
+            .iter()
+            .any(|s| s.decode_tokens > 0 && s.prefill_tokens > 0),
+        "no step mixed decodes with prompt chunks"
+    );
+    assert!(cont
+        .steps
+        .iter()
+        .all(|s| s.decode_tokens + s.prefill_tokens <= 24));
+    assert!(cont.steps.iter().all(|s| s.pages_used <= 64));
+    // Every page is back in the pool at the end.
+    assert_eq!(cont.steps.last().map(|s| s.pages_used), Some(0));
+
+    let stat = engine::serve_static(&model, &reqs, &opt, 3, 200, DType::F32, &Device::Cpu)?;
+    assert_same_tokens(&stat, &alone);
+    Ok(())
+}
+
+#[test]
+fn continuous_batching_preempts_and_recomputes() -> Result<()> {
+    let model = tiny_model()?;
+    let vocab = model.config().vocab_size;
+    let shapes = [(30, 20), (25, 24), (20, 28), (33, 16), (12, 30), (28, 22)];
+    let reqs = requests(&shapes, vocab, 5);
+    let opt = quiet();
+    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32, &Device::Cpu)?;
+    // 16 pages of 8 rows: each request alone needs 6-7 pages, all of them together 40.
+    let limits = Limits {
+        max_seqs: 8,
+        max_batch_tokens: 64,
+    };
+    let mut pool = KvPool::new(model.config(), 16, 8, DType::F32, &Device::Cpu)?;
+    let cont = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool)?;
+    assert!(cont.preemptions > 0, "the pool was never short");
+    assert!(cont.finished.iter().any(|f| f.preempted > 0));
+    assert_same_tokens(&cont, &alone);
+    assert_eq!(cont.steps.last().map(|s| s.pages_used), Some(0));
+    Ok(())
+}
+
+#[test]
+fn sampled_requests_match_and_arrivals_are_honoured() -> Result<()> {
+    let model = tiny_model()?;
+    let vocab = model.config().vocab_size;
+    let mut reqs = requests(&[(9, 6), (21, 4), (5, 8), (14, 5)], vocab, 3);
+    for (i, r) in reqs.iter_mut().enumerate() {
+        r.arrival = 0.02 * i as f64;
+    }
+    let opt = Options {
+        temperature: 0.8,
+        top_p: 0.95,
+        ..quiet()
+    };
+    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32, &Device::Cpu)?;
+    let limits = Limits {
+        max_seqs: 8,
+        max_batch_tokens: 32,
+    };
+    let mut pool = KvPool::new(model.config(), 16, 16, DType::F32, &Device::Cpu)?;
+    let cont = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool)?;
+    assert_same_tokens(&cont, &alone);
+    for f in &cont.finished {
+        assert!(
+            f.token_times[0] >= f.arrival,
+            "request {} answered before it arrived",
+            f.id
+        );
+        assert!(f.token_times.windows(2).all(|w| w[1] >= w[0]));
+    }
+    Ok(())
+}
+
+#[test]
+fn a_request_larger_than_the_pool_is_an_error() -> Result<()> {
+    let model = tiny_model()?;
+    let reqs = requests(&[(40, 30)], model.config().vocab_size, 1);
+    let limits = Limits {
+        max_seqs: 4,
+        max_batch_tokens: 32,
+    };
+    let mut pool = KvPool::new(model.config(), 4, 16, DType::F32, &Device::Cpu)?;
+    let err = engine::serve_continuous(&model, &reqs, &quiet(), &limits, &mut pool)
+        .err()
+        .expect("70 rows do not fit 4 pages of 16");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("request 0") && msg.contains("--kv-pages"),
+        "{msg}"
+    );
+    Ok(())
+}
+
+#[test]
+fn smollm2_serves_chat_requests_as_if_alone() -> Result<()> {
+    let Some(path) = tiny_llama::smollm2_gguf() else {
+        println!("SKIPPED: SmolLM2 GGUF not found (run scripts/fetch-smollm2.sh or set FLASHCORE_SMOLLM2_GGUF)");
+        return Ok(());
+    };
+    let loaded = load::load(
+        &Source::Gguf(path),
+        None,
+        DType::F32,
+        &Device::Cpu,
+        AttnBackend::Flashcore,
+    )?;
+    let model = loaded.model;
+    let tok = loaded.tokenizer.expect("gguf tokenizer");
+    let questions = [
+        "What is the capital of France?",
+        "Name three primary colours.",
+        "Write a haiku about the sea.",
+        "What is 12 times 12?",
+        "Who wrote Romeo and Juliet?",
+    ];
+    let reqs = questions
+        .iter()
+        .enumerate()
+        .map(|(id, q)| {
+            Ok(Request {
+                id,
+                prompt: tok.encode_prompt(q, true, None)?,
+                max_new_tokens: 12 + 2 * id,
+                arrival: 0.0,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let opt = Options {
+        eos: tok.eos_ids.clone(),
+        ..quiet()
+    };
+    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32, &Device::Cpu)?;
+    let limits = Limits {
+        max_seqs: 4,
+        max_batch_tokens: 40,
+    };
+    let mut pool = KvPool::new(model.config(), 32, 16, DType::F32, &Device::Cpu)?;
+    let cont = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool)?;
+    for f in &cont.finished {
+        println!("#{}: {:?}", f.id, tok.decode(&f.tokens)?);
+    }
+    assert_same_tokens(&cont, &alone);
+    let paris = tok.decode(&cont.finished[0].tokens)?;
+    assert!(paris.contains("Paris"), "{paris:?}");
+    Ok(())
+}
