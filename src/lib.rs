@@ -172,9 +172,11 @@ pub fn attention_varlen_with_lse(
 /// cost a device sync: the kernels clamp every page id into the pool and every length into the
 /// table, so nothing outside the pools is ever read, and a check kernel fills the whole output
 /// (and LSE) with NaN when a table lies. On the GPU, `seq_q <= 16` (decode) reads K/V through the
-/// page table inside the split-KV kernel; longer queries gather the pages into a dense scratch
-/// first (one copy of the batch's keys, `batch * max_pages_per_seq * page_size` rows) and run the
-/// prefill kernels on it.
+/// page table inside the split-KV kernel. Longer queries on sm_90 run the prefill kernels on the
+/// pool through the page table (TMA boxes of up to the page size, each inside one page) when the
+/// page size is a power of two of at least 64 rows; otherwise (smaller or odd pages, sm_80-class
+/// GPUs, softcap or ALiBi below d256) the pages are first gathered into a dense scratch (one copy
+/// of the batch's keys, `batch * max_pages_per_seq * page_size` rows).
 pub fn attention_paged(
     q: &Tensor,
     k_pages: &Tensor,
