@@ -63,7 +63,8 @@
 //   p.scale_log2, p.window_*; p.softcap > 0 caps the scores (fc::softcap_tanh); p.alibi_slopes adds
 //   the ALiBi bias (runtime branch per 16-key step, as softcap); p.d <= HEAD_DIM (columns beyond it
 //   zero-filled, never stored). Paged caches (p.page_table): K/V rows through fc::paged_row
-//   (common/seqlens.cuh), page by page per row. Sequences through fc::seq_range (dense or varlen; the grid and the
+//   (common/seqlens.cuh), page by page per row; pages of whole tiles (page_size % BLOCK_N == 0)
+//   one page per warp and tile. Sequences through fc::seq_range (dense or varlen; the grid and the
 //   partial layout use p.sq = max_seqlen_q, row blocks past a shorter sequence exit and the combine
 //   skips its rows).
 //   Empty rows (no visible key, e.g. causal sq > sk): O = 0, LSE = -inf.
@@ -331,6 +332,25 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             }
             lookup(t + 1, pf_page, pf_slot);  // tiles load in order: the next call's
             pf_tile = t + 1;
+            if (p.page_size % BN == 0) {
+                // Pages of whole tiles (tiles start at multiples of BN): the warp's rows follow
+                // each other in the page of its first row (lane 0's lookup), addressed as in the
+                // contiguous cache. A warp whose first row is past the end loads nothing.
+                const int64_t page = __shfl_sync(0xffffffffu, my_page, 0);
+                const int slot = __shfl_sync(0xffffffffu, my_slot, 0) + lane / CPR;
+                const T* kp = kg + page * p.k_batch_stride + (int64_t)slot * ksr + ch * 8;
+                const T* vp = vg + page * p.v_batch_stride + (int64_t)slot * vsr + ch * 8;
+#pragma unroll UNROLL
+                for (int it = 0; it < ITERS; ++it) {
+                    const int row = row0 + it * (THREADS / CPR);
+                    const bool ok = key0 + it * (THREADS / CPR) < sk && ch < dch;
+                    const int64_t ko = (int64_t)it * (THREADS / CPR) * ksr;
+                    const int64_t vo = (int64_t)it * (THREADS / CPR) * vsr;
+                    cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), ok ? kp + ko : kg, ok);
+                    cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), ok ? vp + vo : vg, ok);
+                }
+                return;
+            }
 #pragma unroll UNROLL
             for (int it = 0; it < ITERS; ++it) {
                 const int row = row0 + it * (THREADS / CPR);
