@@ -825,6 +825,25 @@ fn grids_beyond_65535() -> Result<()> {
     Ok(())
 }
 
+/// `vl` in a paged pool of `page_size`-row pages in shuffled order; when the first two sequences
+/// have at least two pages of keys, they share their first two pages (the keys made equal
+/// first). Returns the (possibly changed) batch, the pool and the number of shared pages.
+fn paged_sharing(vl: Varlen, page_size: usize, rng: &mut Rng) -> Result<(Varlen, Paged, usize)> {
+    let lens = &vl.lens;
+    let shared = if lens[0].1 >= 2 * page_size && lens[1].1 >= 2 * page_size {
+        2
+    } else {
+        0
+    };
+    let vl = if shared > 0 {
+        vl.share_prefix(shared * page_size)?
+    } else {
+        vl
+    };
+    let pg = Paged::from_varlen(&vl, page_size, shared, rng)?;
+    Ok((vl, pg, shared))
+}
+
 /// Paged caches on the GPU: decode (split-KV through the page table) and prefill / chunked
 /// prefill (sm90: through the page table for power-of-two pages, else pages gathered, then the
 /// prefill kernels), against the CPU reference of the same
@@ -871,16 +890,8 @@ fn paged_attention() -> Result<()> {
                 let (hq, hkv) = heads[n % 3];
                 let d = dims[(n / 3) % 4];
                 let p = options(&dev, n, mask, lens.len(), hq)?;
-                let mut vl = Varlen::random(lens, hq, hkv, d, dtype, n % 2 == 1, &dev)?;
-                let shared = if lens[0].1 >= 2 * page_size && lens[1].1 >= 2 * page_size {
-                    2
-                } else {
-                    0
-                };
-                if shared > 0 {
-                    vl = vl.share_prefix(shared * page_size)?;
-                }
-                let pg = Paged::from_varlen(&vl, page_size, shared, &mut rng)?;
+                let vl = Varlen::random(lens, hq, hkv, d, dtype, n % 2 == 1, &dev)?;
+                let (vl, pg, shared) = paged_sharing(vl, page_size, &mut rng)?;
                 let tag = format!(
                     "{name} page {page_size}{}",
                     if shared > 0 { " shared" } else { "" }
@@ -947,16 +958,8 @@ fn paged_prefill_through_the_page_table() -> Result<()> {
         (16, 64, (8, 8), Mask::None, DType::F16, &equal_q),
     ];
     for (page_size, d, (hq, hkv), mask, dtype, lens) in cases {
-        let mut vl = Varlen::random(lens, hq, hkv, d, dtype, false, &dev)?;
-        let shared = if lens[0].1 >= 2 * page_size && lens[1].1 >= 2 * page_size {
-            2
-        } else {
-            0
-        };
-        if shared > 0 {
-            vl = vl.share_prefix(shared * page_size)?;
-        }
-        let pg = Paged::from_varlen(&vl, page_size, shared, &mut rng)?;
+        let vl = Varlen::random(lens, hq, hkv, d, dtype, false, &dev)?;
+        let (vl, pg, _) = paged_sharing(vl, page_size, &mut rng)?;
         let p = AttnParams {
             mask,
             ..Default::default()
@@ -987,12 +990,15 @@ fn paged_lying_tables_give_nan() -> Result<()> {
     set_poison_outputs(false);
     let mut rng = Rng::from_clock("paged_lies");
     let mut outcome = Ok(());
-    for (shape, lens) in [
-        ("decode", vec![(1, 90), (1, 3), (1, 700)]),
-        ("prefill", vec![(40, 90), (0, 3), (120, 700)]),
+    // pages of 16 (prefill: gathered) and 64 (sm90 prefill: read through the table in-kernel)
+    for (shape, lens, page_size) in [
+        ("decode", vec![(1, 90), (1, 3), (1, 700)], 16),
+        ("prefill", vec![(40, 90), (0, 3), (120, 700)], 16),
+        ("decode p64", vec![(1, 90), (1, 3), (1, 700)], 64),
+        ("prefill p64", vec![(40, 90), (0, 3), (120, 700)], 64),
     ] {
         let vl = Varlen::random(&lens, 8, 2, 64, DType::BF16, false, &dev)?;
-        let pg = Paged::from_varlen(&vl, 16, 0, &mut rng)?;
+        let pg = Paged::from_varlen(&vl, page_size, 0, &mut rng)?;
         let p = options(&dev, 0, Mask::Causal, lens.len(), 8)?;
         let mut bad_page = pg.clone();
         let mut t = pg.table.clone();
@@ -1000,7 +1006,7 @@ fn paged_lying_tables_give_nan() -> Result<()> {
         bad_page.page_table = Tensor::from_vec(t, (lens.len(), pg.max_pages), &dev)?;
         let mut bad_len = pg.clone();
         let mut l: Vec<u32> = lens.iter().map(|x| x.1 as u32).collect();
-        l[2] = (pg.max_pages * 16 + 1) as u32;
+        l[2] = (pg.max_pages * page_size + 1) as u32;
         bad_len.seqlens_k = Tensor::new(l.as_slice(), &dev)?;
         for (lie, g) in [
             ("page id outside the pool", &bad_page),
