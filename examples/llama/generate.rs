@@ -8,12 +8,30 @@ use std::time::{Duration, Instant};
 
 use crate::model::{argmax_rows, AttnBackend, KvCache, Model};
 
+/// splitmix64: a tiny, seedable generator (reproducible runs without a `rand` dependency).
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
 /// Greedy when `temperature <= 0`; otherwise softmax(logits / temperature) restricted to the
 /// smallest set of tokens whose probability reaches `top_p` (nucleus sampling).
 pub struct Sampler {
     temperature: f64,
     top_p: f64,
-    state: u64,
+    rng: SplitMix64,
 }
 
 impl Sampler {
@@ -21,7 +39,7 @@ impl Sampler {
         Sampler {
             temperature: 0.0,
             top_p: 1.0,
-            state: 0,
+            rng: SplitMix64(0),
         }
     }
 
@@ -29,22 +47,12 @@ impl Sampler {
         Sampler {
             temperature,
             top_p: top_p.clamp(0.0, 1.0),
-            state: seed,
+            rng: SplitMix64(seed),
         }
     }
 
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0
-    }
-
-    /// splitmix64: a tiny, seedable generator (reproducible runs without a `rand` dependency).
-    fn next_f64(&mut self) -> f64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// Picks the next token from `(1, vocab)` f32 logits.
@@ -71,7 +79,7 @@ impl Sampler {
             }
         }
         let mass: f64 = probs[..n].iter().map(|p| p.1).sum();
-        let mut r = self.next_f64() * mass;
+        let mut r = self.rng.next_f64() * mass;
         for p in &probs[..n] {
             r -= p.1;
             if r <= 0.0 {
@@ -85,10 +93,14 @@ impl Sampler {
 /// Device memory in use (total minus free, so it includes the allocator's pool and any other
 /// process on the GPU); `None` on CPU or when the query fails.
 pub fn device_mem_used(device: &Device) -> Option<usize> {
+    device_mem_info(device).map(|(free, total)| total - free)
+}
+
+/// (free, total) device memory in bytes; `None` on CPU or when the query fails.
+pub fn device_mem_info(device: &Device) -> Option<(usize, usize)> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(cuda) = device {
-        let (free, total) = cuda.cuda_stream().context().mem_get_info().ok()?;
-        return Some(total - free);
+        return cuda.cuda_stream().context().mem_get_info().ok();
     }
     let _ = device;
     None

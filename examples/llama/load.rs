@@ -16,6 +16,99 @@ use crate::json::Json;
 use crate::model::{AttnBackend, Config, Model};
 use crate::tokenizer::{gguf_int, TextTokenizer};
 
+/// Where the weights come from, as command-line options (examples/llama and examples/serve
+/// flatten it into their arguments).
+#[derive(clap::Args, Debug, Clone)]
+pub struct SourceArgs {
+    /// Hugging Face repo id (config.json, tokenizer.json, safetensors), through the hf-hub cache.
+    #[arg(long, group = "source")]
+    pub model: Option<String>,
+    /// Revision of --model.
+    #[arg(long, default_value = "main")]
+    pub revision: String,
+    /// Local directory with config.json, tokenizer.json and model.safetensors (or sharded + index).
+    #[arg(long, group = "source")]
+    pub model_dir: Option<PathBuf>,
+    /// A llama-family GGUF file; weights are dequantized to --dtype.
+    #[arg(long, group = "source")]
+    pub gguf: Option<PathBuf>,
+    /// Random weights at the shape of --preset, created on the device (synthetic token ids).
+    #[arg(long, group = "source", requires = "preset")]
+    pub random_weights: bool,
+    /// Shape for --random-weights.
+    #[arg(long, value_enum)]
+    pub preset: Option<Preset>,
+    /// A tokenizer.json to use instead of the source's.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// Published shapes for `--random-weights` ([`Config::preset`]).
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Preset {
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+    #[value(name = "llama3-1b")]
+    Llama3_1b,
+    #[value(name = "smollm2-135m")]
+    Smollm2_135m,
+}
+
+impl SourceArgs {
+    pub fn source(&self) -> Result<Source> {
+        Ok(if let Some(repo) = &self.model {
+            Source::Hub {
+                repo: repo.clone(),
+                revision: self.revision.clone(),
+            }
+        } else if let Some(dir) = &self.model_dir {
+            Source::Dir(dir.clone())
+        } else if let Some(path) = &self.gguf {
+            Source::Gguf(path.clone())
+        } else if self.random_weights {
+            let preset = match self.preset {
+                Some(Preset::Llama3_8b) => "llama3-8b",
+                Some(Preset::Llama3_1b) => "llama3-1b",
+                Some(Preset::Smollm2_135m) | None => "smollm2-135m",
+            };
+            Source::Random {
+                preset: preset.to_string(),
+            }
+        } else {
+            bail!("choose a model: --model REPO_ID, --model-dir DIR, --gguf FILE or --random-weights --preset NAME")
+        })
+    }
+}
+
+/// `--dtype`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum RunDtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+/// The run's device (the first GPU when there is one, unless `cpu`) and dtype (default bf16 on
+/// a GPU, f32 on the CPU); seeds the GPU's generator (candle's CPU generator cannot be seeded).
+pub fn device_and_dtype(cpu: bool, dtype: Option<RunDtype>, seed: u64) -> Result<(Device, DType)> {
+    let device = if cpu {
+        Device::Cpu
+    } else {
+        Device::cuda_if_available(0)?
+    };
+    let dtype = match dtype {
+        Some(RunDtype::Bf16) => DType::BF16,
+        Some(RunDtype::F16) => DType::F16,
+        Some(RunDtype::F32) => DType::F32,
+        None if device.is_cpu() => DType::F32,
+        None => DType::BF16,
+    };
+    if !device.is_cpu() {
+        device.set_seed(seed)?;
+    }
+    Ok((device, dtype))
+}
+
 #[derive(Clone, Debug)]
 pub enum Source {
     Hub { repo: String, revision: String },

@@ -23,13 +23,12 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 use clap::{Parser, ValueEnum};
 use std::io::Write;
-use std::path::PathBuf;
 
 use generate::{
     common_prefix, generate, teacher_forced_agreement, warmup, GenStats, Generation, Sampler,
 };
 use json::quote;
-use load::Source;
+use load::{device_and_dtype, RunDtype, SourceArgs};
 use model::{AttnBackend, KvCache, Model};
 use tokenizer::TextTokenizer;
 
@@ -39,47 +38,11 @@ enum Attn {
     Flashcore,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Dtype {
-    Bf16,
-    F16,
-    F32,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Preset {
-    #[value(name = "llama3-8b")]
-    Llama3_8b,
-    #[value(name = "llama3-1b")]
-    Llama3_1b,
-    #[value(name = "smollm2-135m")]
-    Smollm2_135m,
-}
-
 #[derive(Parser, Debug)]
 #[command(about = "LLaMA-family generation with eager or flashcore attention")]
 struct Args {
-    /// Hugging Face repo id (config.json, tokenizer.json, safetensors), through the hf-hub cache.
-    #[arg(long, group = "source")]
-    model: Option<String>,
-    /// Revision of --model.
-    #[arg(long, default_value = "main")]
-    revision: String,
-    /// Local directory with config.json, tokenizer.json and model.safetensors (or sharded + index).
-    #[arg(long, group = "source")]
-    model_dir: Option<PathBuf>,
-    /// A llama-family GGUF file; weights are dequantized to --dtype.
-    #[arg(long, group = "source")]
-    gguf: Option<PathBuf>,
-    /// Random weights at the shape of --preset, created on the device (synthetic token ids).
-    #[arg(long, group = "source", requires = "preset")]
-    random_weights: bool,
-    /// Shape for --random-weights.
-    #[arg(long, value_enum)]
-    preset: Option<Preset>,
-    /// A tokenizer.json to use instead of the source's.
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    source: SourceArgs,
 
     /// Attention implementation.
     #[arg(long, value_enum, default_value = "flashcore")]
@@ -118,7 +81,7 @@ struct Args {
 
     /// Run dtype (default: bf16 on CUDA, f32 on CPU).
     #[arg(long, value_enum)]
-    dtype: Option<Dtype>,
+    dtype: Option<RunDtype>,
     /// Run on the CPU even when a GPU is available.
     #[arg(long)]
     cpu: bool,
@@ -329,46 +292,18 @@ impl Run<'_> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let device = if args.cpu {
-        Device::Cpu
-    } else {
-        Device::cuda_if_available(0)?
-    };
-    let dtype = match args.dtype {
-        Some(Dtype::Bf16) => DType::BF16,
-        Some(Dtype::F16) => DType::F16,
-        Some(Dtype::F32) => DType::F32,
-        None if device.is_cpu() => DType::F32,
-        None => DType::BF16,
-    };
-    if !device.is_cpu() {
-        device.set_seed(args.seed)?; // candle's CPU generator cannot be seeded
-    }
-    let source = if let Some(repo) = &args.model {
-        Source::Hub {
-            repo: repo.clone(),
-            revision: args.revision.clone(),
-        }
-    } else if let Some(dir) = &args.model_dir {
-        Source::Dir(dir.clone())
-    } else if let Some(path) = &args.gguf {
-        Source::Gguf(path.clone())
-    } else if args.random_weights {
-        let preset = match args.preset {
-            Some(Preset::Llama3_8b) => "llama3-8b",
-            Some(Preset::Llama3_1b) => "llama3-1b",
-            Some(Preset::Smollm2_135m) | None => "smollm2-135m",
-        };
-        Source::Random {
-            preset: preset.to_string(),
-        }
-    } else {
-        bail!("choose a model: --model REPO_ID, --model-dir DIR, --gguf FILE or --random-weights --preset NAME")
-    };
+    let (device, dtype) = device_and_dtype(args.cpu, args.dtype, args.seed)?;
+    let source = args.source.source()?;
 
     let t0 = std::time::Instant::now();
     let attn: AttnBackend = args.attn.into();
-    let loaded = load::load(&source, args.tokenizer.as_deref(), dtype, &device, attn)?;
+    let loaded = load::load(
+        &source,
+        args.source.tokenizer.as_deref(),
+        dtype,
+        &device,
+        attn,
+    )?;
     let mut model = loaded.model;
     if let Some(n) = args.max_positions {
         model.set_max_positions(n)?;

@@ -291,6 +291,26 @@ impl Config {
     }
 }
 
+/// Zeroed `(k, v)` buffers `(n, rows, heads_kv, head_dim)` for every layer: a dense cache of `n`
+/// sequences, or a paged pool of `n` pages of `rows` rows.
+pub fn kv_buffers(
+    cfg: &Config,
+    n: usize,
+    rows: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<Vec<(Tensor, Tensor)>> {
+    let shape = (n, rows, cfg.num_key_value_heads, cfg.head_dim);
+    (0..cfg.num_hidden_layers)
+        .map(|_| {
+            Ok((
+                Tensor::zeros(shape, dtype, device)?,
+                Tensor::zeros(shape, dtype, device)?,
+            ))
+        })
+        .collect()
+}
+
 /// Keys and values of every layer, preallocated as `(batch, max_seq, heads_kv, head_dim)` and
 /// written in place with `slice_set`; the first `len` positions are valid.
 pub struct KvCache {
@@ -306,15 +326,7 @@ impl KvCache {
         dtype: DType,
         device: &Device,
     ) -> Result<KvCache> {
-        let shape = (batch, max_seq, cfg.num_key_value_heads, cfg.head_dim);
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|_| {
-                Ok((
-                    Tensor::zeros(shape, dtype, device)?,
-                    Tensor::zeros(shape, dtype, device)?,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let layers = kv_buffers(cfg, batch, max_seq, dtype, device)?;
         Ok(KvCache { layers, len: 0 })
     }
 

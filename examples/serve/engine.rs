@@ -20,7 +20,7 @@ use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use crate::generate::{generate, Sampler};
-use crate::model::{Config, KvCache, Model, PagedBatch, SeqStep};
+use crate::model::{kv_buffers, Config, KvCache, Model, PagedBatch, SeqStep};
 
 /// One request: prompt ids, a cap on new tokens, and when it arrives (seconds after the start).
 #[derive(Clone, Debug)]
@@ -132,15 +132,7 @@ impl KvPool {
         if num_pages == 0 || page_size == 0 || num_pages > u32::MAX as usize {
             bail!("kv pool: need at least one page of at least one row (got {num_pages} pages of {page_size})")
         }
-        let shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim);
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|_| {
-                Ok((
-                    Tensor::zeros(shape, dtype, device)?,
-                    Tensor::zeros(shape, dtype, device)?,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let layers = kv_buffers(cfg, num_pages, page_size, dtype, device)?;
         Ok(KvPool {
             layers,
             page_size,

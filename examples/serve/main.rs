@@ -39,8 +39,9 @@ use clap::{Parser, ValueEnum};
 use std::path::PathBuf;
 
 use engine::{KvPool, Limits, Options, Request};
+use generate::{device_mem_info, SplitMix64};
 use json::Json;
-use load::Source;
+use load::{device_and_dtype, RunDtype, SourceArgs};
 use model::{AttnBackend, Model};
 use tokenizer::TextTokenizer;
 
@@ -51,37 +52,13 @@ enum Mode {
     Sequential,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Dtype {
-    Bf16,
-    F16,
-    F32,
-}
-
 #[derive(Parser, Debug)]
 #[command(
     about = "Continuous batching on a paged KV cache, against static batching and one request at a time"
 )]
 struct Args {
-    /// Hugging Face repo id, through the hf-hub cache.
-    #[arg(long, group = "source")]
-    model: Option<String>,
-    #[arg(long, default_value = "main")]
-    revision: String,
-    /// Local directory with config.json, tokenizer.json and safetensors.
-    #[arg(long, group = "source")]
-    model_dir: Option<PathBuf>,
-    /// A llama-family GGUF file.
-    #[arg(long, group = "source")]
-    gguf: Option<PathBuf>,
-    /// Random weights at the shape of --preset (llama3-8b, llama3-1b, smollm2-135m).
-    #[arg(long, group = "source", requires = "preset")]
-    random_weights: bool,
-    #[arg(long)]
-    preset: Option<String>,
-    /// A tokenizer.json to use instead of the source's.
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    source: SourceArgs,
 
     /// Requests as JSON lines: {"prompt": "...", "max_new_tokens": N} (N defaults to
     /// --max-new-tokens). Needs a tokenizer.
@@ -147,7 +124,7 @@ struct Args {
     max_positions: Option<usize>,
 
     #[arg(long, value_enum)]
-    dtype: Option<Dtype>,
+    dtype: Option<RunDtype>,
     #[arg(long)]
     cpu: bool,
     #[arg(long, default_value_t = 299_792_458)]
@@ -179,23 +156,9 @@ fn parse_range(s: &str, what: &str) -> Result<(usize, usize)> {
     Ok((a, b))
 }
 
-/// splitmix64, as the sampler (no `rand` dependency).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn range(&mut self, (lo, hi): (usize, usize)) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
-    }
+/// Uniform in `lo..=hi`.
+fn range(rng: &mut SplitMix64, (lo, hi): (usize, usize)) -> usize {
+    lo + (rng.next_u64() % (hi - lo + 1) as u64) as usize
 }
 
 /// Text the generated prompts are cut from (with a tokenizer).
@@ -206,7 +169,7 @@ and the spread of pamphlets, maps and scientific tables changed how knowledge tr
 carried paper and ink; merchants carried news. ";
 
 fn build_requests(args: &Args, tok: Option<&TextTokenizer>, vocab: usize) -> Result<Vec<Request>> {
-    let mut rng = Rng(args.seed);
+    let mut rng = SplitMix64(args.seed);
     let mut reqs = Vec::new();
     if let Some(path) = &args.requests_file {
         let tok = tok.context("--requests-file needs a tokenizer (random weights have none)")?;
@@ -252,19 +215,19 @@ fn build_requests(args: &Args, tok: Option<&TextTokenizer>, vocab: usize) -> Res
         };
         let lo = (vocab / 8) as u64;
         for id in 0..n {
-            let len = rng.range(plen);
+            let len = range(&mut rng, plen);
             let prompt: Vec<u32> = if filler.is_empty() {
                 (0..len)
-                    .map(|_| (lo + rng.next() % (vocab as u64 - lo)) as u32)
+                    .map(|_| (lo + rng.next_u64() % (vocab as u64 - lo)) as u32)
                     .collect()
             } else {
-                let off = rng.range((0, filler.len() - 1));
+                let off = range(&mut rng, (0, filler.len() - 1));
                 (0..len).map(|i| filler[(off + i) % filler.len()]).collect()
             };
             reqs.push(Request {
                 id,
                 prompt,
-                max_new_tokens: rng.range(glen),
+                max_new_tokens: range(&mut rng, glen),
                 arrival: 0.0,
             });
         }
@@ -278,64 +241,21 @@ fn build_requests(args: &Args, tok: Option<&TextTokenizer>, vocab: usize) -> Res
         }
         let mut t = 0.0;
         for r in reqs.iter_mut() {
-            t += -(1.0 - rng.uniform()).ln() / rate;
+            t += -(1.0 - rng.next_f64()).ln() / rate;
             r.arrival = t;
         }
     }
     Ok(reqs)
 }
 
-fn free_device_memory(device: &Device) -> Option<usize> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(cuda) = device {
-        return cuda
-            .cuda_stream()
-            .context()
-            .mem_get_info()
-            .ok()
-            .map(|m| m.0);
-    }
-    let _ = device;
-    None
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
-    let device = if args.cpu {
-        Device::Cpu
-    } else {
-        Device::cuda_if_available(0)?
-    };
-    let dtype = match args.dtype {
-        Some(Dtype::Bf16) => DType::BF16,
-        Some(Dtype::F16) => DType::F16,
-        Some(Dtype::F32) => DType::F32,
-        None if device.is_cpu() => DType::F32,
-        None => DType::BF16,
-    };
-    if !device.is_cpu() {
-        device.set_seed(args.seed)?;
-    }
-    let source = if let Some(repo) = &args.model {
-        Source::Hub {
-            repo: repo.clone(),
-            revision: args.revision.clone(),
-        }
-    } else if let Some(dir) = &args.model_dir {
-        Source::Dir(dir.clone())
-    } else if let Some(path) = &args.gguf {
-        Source::Gguf(path.clone())
-    } else if args.random_weights {
-        Source::Random {
-            preset: args.preset.clone().unwrap_or_default(),
-        }
-    } else {
-        bail!("choose a model: --model REPO_ID, --model-dir DIR, --gguf FILE or --random-weights --preset NAME")
-    };
+    let (device, dtype) = device_and_dtype(args.cpu, args.dtype, args.seed)?;
+    let source = args.source.source()?;
     let t0 = std::time::Instant::now();
     let loaded = load::load(
         &source,
-        args.tokenizer.as_deref(),
+        args.source.tokenizer.as_deref(),
         dtype,
         &device,
         AttnBackend::Flashcore,
@@ -386,7 +306,7 @@ fn main() -> Result<()> {
     let page_bytes = KvPool::page_bytes(&cfg, args.page_size, dtype);
     let row_bytes = page_bytes / args.page_size.max(1);
     let kv_budget =
-        free_device_memory(&device).map(|free| (free as f64 * args.kv_mem_frac) as usize);
+        device_mem_info(&device).map(|(free, _)| (free as f64 * args.kv_mem_frac) as usize);
     let num_pages = match (args.kv_pages, kv_budget) {
         (Some(n), _) => n,
         (None, Some(bytes)) => bytes / page_bytes,
