@@ -209,6 +209,43 @@ fn random_problems() -> Result<()> {
     Ok(())
 }
 
+/// Short d64 problems without a mask: the 256-row tile (`_256x64_s4`) when it has at least as many
+/// query tiles as the GPU has SMs, the 192-row one below that (the dispatcher's `starves`). Both
+/// checked against the reference; the kernel names are asserted on the sm90 dispatch.
+#[test]
+fn short_d64_tiles_by_problem_size() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    // (b, sq, sk, hq, hkv, tile when sm90): 16 tiles of 256 rows; 1 x 40 x 4 = 160 >= 132 SMs
+    // (H100; a GPU with more SMs than 160 takes 192 rows for both)
+    for (b, sq, sk, hq, hkv, tile) in [
+        (1, 512, 512, 8, 8, "_192x128"),
+        (1, 1000, 600, 40, 8, "_256x64_s4"),
+    ] {
+        let c = Case {
+            b,
+            sq,
+            sk,
+            hq,
+            hkv,
+            d: 64,
+            dtype: DType::BF16,
+            mask: Mask::None,
+            strided: false,
+        };
+        let (e, ne, kernel) = check(&dev, &c)?;
+        let sms = flashcore::cuda::device_info(cuda)?.sm_count;
+        if kernel.contains("_sm90_") && (tile == "_192x128" || sms <= 160) {
+            assert!(kernel.ends_with(tile), "{c}: ran {kernel}, want {tile}");
+        }
+        println!("[OK] {c}: err {e:.2e} (naive {ne:.2e}) {kernel}");
+    }
+    Ok(())
+}
+
 /// Softmax scales other than 1/sqrt(d) (small, large; zero and negative ones have no GPU kernel
 /// and must say so) and scores that grow as the kernels walk the keys (last key tile first): the
 /// running-max bookkeeping of every family, including the sm90 lazy rescale (a row's reference

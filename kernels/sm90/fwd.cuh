@@ -791,24 +791,45 @@ struct FwdSm90 {
             // written): against 16-byte stores from every thread +0.8 % over the fa3 grid, +1.5-3 %
             // at d64/d128 up to 1k (H100, session 7, call G).
             if (p.cu_seqlens_q != nullptr) {
-                // varlen, the sequence's last rows: 16-byte stores of its rows (a TMA box past the
-                // sequence's end would write the next sequence's rows)
+                // Varlen (a uniform branch: the dense path stays as it was). A slice that lies inside
+                // its sequence takes the TMA store at its packed row (batch coordinate 0); the slice
+                // holding the sequence's last rows takes 16-byte stores of its rows (a TMA box past
+                // the sequence's end would write the next sequence's rows). Neither choice branches
+                // around a barrier: a divergent path holding one serialises every wgmma of the
+                // kernel (ptxas C7520, 25-40 % slower: session 15, call V).
+                const int srow = m_block * BM + c * 64;
+                // Not the 256-row d64 kernel (its 4 consumer warpgroups spill 8 B with the TMA store)
+                // nor d256 (1.2-2.7 % slower than the 16-byte stores: session 16, call A).
+                const bool tail = BM > 192 || D > 128 || srow + 64 > sqv;
+                fence_proxy_async_smem();
                 named_sync(BAR_EPI + c, 128);
                 int h, bi;
                 head_batch(h, bi);
-                T* og = reinterpret_cast<T*>(p.o) + (int64_t)h * p.o_head_stride + (int64_t)q0_of() * p.o_row_stride;
+                const int q0 = q0_of();
+                T* og = reinterpret_cast<T*>(p.o) + (int64_t)h * p.o_head_stride + (int64_t)q0 * p.o_row_stride;
 #pragma unroll
                 for (int it = 0; it < 64 * CPR / 128; ++it) {
                     const int idx = it * 128 + t128;
                     const int rl = idx / CPR, chk = idx % CPR;
-                    const int grow = m_block * BM + c * 64 + rl;
+                    const int grow = srow + rl;
                     const uint32_t off = (chk >> 3) * BM * 128 + slice + rl * 128 + (((chk & 7) ^ (rl & 7)) << 4);
-                    if (grow < sqv && chk * 8 < p.d)
+                    if (tail && grow < sqv && chk * 8 < p.d)
                         *reinterpret_cast<uint4*>(og + (int64_t)grow * p.o_row_stride + chk * 8) =
                             *reinterpret_cast<const uint4*>(gsO + off);
                 }
+                if (t128 == 0 && !tail) {
+#pragma unroll
+                    for (int cb = 0; cb < DB; ++cb)
+                        tma_store_4d(tmo, (SEP_O ? sO : sQ) + cb * BM * 128 + slice, cb * 64, q0 + srow, h, 0);
+                    bulk_commit();
+                }
+                // every thread's 16-byte reads of the staged slice are done (the next tile's staging,
+                // or the Q load into the Q buffer, may overwrite it)
                 named_sync(BAR_EPI + c, 128);
-                if (!SEP_O && t128 == 0) mbar_arrive(q_empty);
+                if (!SEP_O && t128 == 0) {
+                    bulk_wait_read();
+                    mbar_arrive(q_empty);
+                }
                 mbar_arrive(sched_empty(slot));
                 ++qi;
                 continue;

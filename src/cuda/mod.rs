@@ -134,12 +134,7 @@ pub fn describe(
     v: &Tensor,
 ) -> Result<String> {
     let prob = crate::params::validate(q, k, v, p)?;
-    let info = device_info(dev)?;
-    let v = choose(
-        &prob,
-        arch::select(info.major, info.minor)?,
-        smem_budget(&info)?,
-    )?;
+    let v = choose(&prob, &device_info(dev)?)?;
     Ok(v.symbol())
 }
 
@@ -250,7 +245,17 @@ fn smem_budget(info: &DeviceInfo) -> Result<u32> {
 /// The variant that runs `p` on a GPU of family `arch` with `smem` bytes of shared memory per
 /// block: the first compiled candidate in the variant table's order of preference that fits.
 /// Otherwise an error saying which option has no GPU kernel (yet), or what does not fit.
-fn choose(p: &Problem, arch: Arch, smem: u32) -> Result<&'static Variant> {
+/// The 256-row d64 tile (`sm90_d64_short`) on a problem with fewer of its query tiles than the
+/// GPU has SMs: the next entry (192 rows) spreads the work over more of them. H100, bf16, CUDA
+/// events after an L2 flush (session 16, call C): 1x8x512 16.6 -> 14.7 us, 2x8x512 17.2 -> 15.4,
+/// 1x16x1024 25.1 -> 21.3; at 128 tiles (4x16x512) the 256-row tile still wins, 19.8 against 23.9.
+fn starves(v: &Variant, p: &Problem, sms: usize) -> bool {
+    v.block_m == 256 && p.sq.div_ceil(256) * p.hq * p.b < sms
+}
+
+fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
+    let arch = arch::select(info.major, info.minor)?;
+    let smem = smem_budget(info)?;
     let shape = shape_str(p);
     let unsupported = |what: String| {
         candle_core::Error::Msg(format!(
@@ -304,9 +309,13 @@ fn choose(p: &Problem, arch: Arch, smem: u32) -> Result<&'static Variant> {
                 ));
             } else if v.smem_bytes() > smem {
                 too_big.push(format!("{} needs {} B", v.symbol(), v.smem_bytes()));
-            } else if p.sq > v.max_sq as usize || !v.admits(modified, general) {
-                // a later entry serves longer queries, or the problem's softcap choice
-                // (`Variant::admits`: softcap twins, kernels with a general body)
+            } else if p.sq > v.max_sq as usize
+                || !v.admits(modified, general)
+                || starves(v, p, info.sm_count)
+            {
+                // a later entry serves longer queries, the problem's softcap choice
+                // (`Variant::admits`: softcap twins, kernels with a general body), or small
+                // problems (`starves`)
                 continue;
             } else {
                 return Ok(v);
@@ -468,12 +477,7 @@ pub(crate) fn forward(
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dev = q.0.device.clone();
-    let info = device_info(&dev)?;
-    let variant = choose(
-        p,
-        arch::select(info.major, info.minor)?,
-        smem_budget(&info)?,
-    )?;
+    let variant = choose(p, &device_info(&dev)?)?;
     match p.dtype {
         DType::BF16 => run_typed::<bf16>(&dev, p, variant, extra, q, k, v),
         DType::F16 => run_typed::<f16>(&dev, p, variant, extra, q, k, v),
@@ -655,12 +659,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         let (p2, prm2, bufs) = gather_paged::<T>(dev, p, prm, &shape)?;
         used = p2;
         _scratch = Some(bufs);
-        let info = device_info(dev)?;
-        let v2 = choose(
-            &used,
-            arch::select(info.major, info.minor)?,
-            smem_budget(&info)?,
-        )?;
+        let v2 = choose(&used, &device_info(dev)?)?;
         (&used, v2, prm2)
     } else {
         _scratch = None;
