@@ -366,8 +366,9 @@ fn alloc_out<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
 }
 
 #[allow(clippy::too_many_arguments)]
-/// Number of key-range splits for the decode kernels: about one CTA per SM, each split at
-/// least 256 keys, at most 128 splits; the smallest count within 5% of the best wave efficiency.
+/// Number of key-range splits for the decode kernels: about one CTA per slot (`sm_count`: the
+/// SM count, or twice it where `decode` wants two CTAs per SM), each split at least 256 keys, at
+/// most 128 splits; the smallest count within 5% of the best wave efficiency.
 pub fn decode_num_splits(
     b: usize,
     hkv: usize,
@@ -416,7 +417,14 @@ fn decode(
     let info = device_info(dev)?;
     let sms = info.sm_count;
     let (bm, bn) = (variant.block_m as usize, variant.block_n as usize);
-    let splits = decode_num_splits(p.b, p.hkv, p.hq, p.sq, p.sk, sms, bm, bn);
+    // A paged cache whose pages split a key tile (page_size % block_n != 0: pages of 16 or 32)
+    // addresses every row through the page table; its splits aim at two CTAs per SM, which hides
+    // more of that per-row work. H100 bf16, 32/8 heads d128, pages of 16, against the contiguous
+    // cache (session 16, call F, splits doubled): b8 x 4k/8k/32k 0.91/0.88/0.83 -> 0.95/0.95/0.93,
+    // b1 x 8k/32k 0.88/0.89 -> 0.92/0.91; pages of 64 and 256 (one page per tile) gained nothing.
+    let per_row_paged = matches!(p.keys, Keys::Paged { page_size, .. } if page_size % bn != 0);
+    let slots = if per_row_paged { 2 * sms } else { sms };
+    let splits = decode_num_splits(p.b, p.hkv, p.hq, p.sq, p.sk, slots, bm, bn);
     let row_blocks = (p.h_ratio() * p.sq).div_ceil(bm);
     let ctas = row_blocks * splits * p.b * p.hkv;
     if ctas > i32::MAX as usize {
