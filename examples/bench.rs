@@ -79,6 +79,11 @@ struct Args {
     /// `flashcore` call; --backend all then means flashcore and paged.
     #[arg(long)]
     paged: Option<usize>,
+    /// Where `--paged` puts the pages in the pool: `shuffled` (default; a seeded random order,
+    /// the worst case for locality) or `sequential` (each sequence's pages in order, one
+    /// sequence after another: a fresh pool's free list).
+    #[arg(long, default_value = "shuffled")]
+    page_order: String,
 }
 
 /// K/V `(b, sk, hkv, d)` as pools of `page_size`-row pages in a shuffled (seeded) order, with
@@ -90,14 +95,15 @@ struct Pages {
     lens: Tensor,
 }
 
-fn to_pages(k: &Tensor, v: &Tensor, page_size: usize, seed: u64) -> Result<Pages> {
+fn to_pages(k: &Tensor, v: &Tensor, page_size: usize, seed: Option<u64>) -> Result<Pages> {
     let (b, sk, hkv, d) = k.dims4()?;
     let mp = sk.div_ceil(page_size);
     let np = b * mp;
-    // pool page i holds logical page perm[i] (sequence perm[i] / mp, its page perm[i] % mp)
+    // pool page i holds logical page perm[i] (sequence perm[i] / mp, its page perm[i] % mp);
+    // no seed: the identity
     let mut perm: Vec<u32> = (0..np as u32).collect();
-    let mut x = seed | 1;
-    for i in (1..np).rev() {
+    let mut x = seed.unwrap_or(0) | 1;
+    for i in (1..if seed.is_some() { np } else { 0 }).rev() {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
@@ -528,9 +534,14 @@ fn main() -> Result<()> {
                 if ps == 0 {
                     bail!("--paged takes a page size >= 1");
                 }
+                let seed = |i: usize| match args.page_order.as_str() {
+                    "shuffled" => Ok(Some(0x9E37_79B9 + i as u64)),
+                    "sequential" => Ok(None),
+                    o => bail!("--page-order must be shuffled or sequential, got {o:?}"),
+                };
                 sets.iter()
                     .enumerate()
-                    .map(|(i, (_, k, v))| to_pages(k, v, ps, 0x9E37_79B9 + i as u64))
+                    .map(|(i, (_, k, v))| to_pages(k, v, ps, seed(i)?))
                     .collect::<Result<Vec<_>>>()?
             }
             _ => Vec::new(),
@@ -550,7 +561,9 @@ fn main() -> Result<()> {
             let arch = arch_name(backend, &dev, &params, &sets[0]);
             let page = match (args.paged, backend) {
                 (None, _) => String::new(),
-                (Some(ps), "paged") => format!(",\"page\":{ps}"),
+                (Some(ps), "paged") => {
+                    format!(",\"page\":{ps},\"page_order\":\"{}\"", args.page_order)
+                }
                 (Some(_), _) => ",\"page\":null".into(),
             };
             let call = |i: usize| -> Result<()> {
@@ -597,7 +610,7 @@ fn main() -> Result<()> {
                     "[{status}] {backend:<9} {arch:<6} {} b{} h{}/{} s{}/{} d{}{}{}{} : {us:9.1} us {perf}{e}",
                     args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d, if p.causal { " causal" } else { "" },
                     args.softcap.map_or(String::new(), |c| format!(" softcap {c}")),
-                    match (args.paged, backend) { (Some(ps), "paged") => format!(" page {ps}"), _ => String::new() }
+                    match (args.paged, backend) { (Some(ps), "paged") => format!(" page {ps} {}", args.page_order), _ => String::new() }
                 );
             }
         }
