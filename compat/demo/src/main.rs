@@ -10,7 +10,7 @@
 //! table.
 //!
 //! Usage: demo [--models llama,mistral,...] [--prompt 128] [--gen 32] [--layers 2] [--seed 42]
-//!             [--cpu]
+//!             [--reps 5] [--cpu]
 //! `--cpu` runs everything on the CPU in f32 (flashcore's CPU path behind the flash calls): a
 //! smoke test of the demo itself on a machine without a GPU, not a measurement.
 
@@ -303,35 +303,48 @@ fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
-fn run(m: &mut dyn Lm, prompt: &[u32], gen: usize, dev: &Device) -> Result<Run> {
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Warm-up (module loads, cuBLAS handles, allocator), then `reps` timed runs of the prefill and
+/// of the greedy decode after it; tokens/s from the median times. The logits and tokens are the
+/// last run's (every run computes the same ones).
+fn run(m: &mut dyn Lm, prompt: &[u32], gen: usize, reps: usize, dev: &Device) -> Result<Run> {
     let ids = Tensor::new(prompt, dev)?.unsqueeze(0)?;
-    // Warm-up (module loads, cuBLAS handles, allocator), then the measured prefill.
     m.reset()?;
     m.step(&ids, 0)?.to_vec1::<f32>()?;
-    m.reset()?;
-    dev.synchronize()?;
-    let t0 = Instant::now();
-    let logits = m.step(&ids, 0)?.to_vec1::<f32>()?;
-    let prefill_s = t0.elapsed().as_secs_f64();
-    let mut tok = argmax(&logits);
-    let mut tokens = vec![tok];
-    let mut step_logits = Vec::new();
-    dev.synchronize()?;
-    let t1 = Instant::now();
-    for i in 0..gen.saturating_sub(1) {
-        let x = Tensor::new(&[tok], dev)?.unsqueeze(0)?;
-        let l = m.step(&x, prompt.len() + i)?.to_vec1::<f32>()?;
-        tok = argmax(&l);
-        tokens.push(tok);
-        step_logits.push(l);
+    let (mut prefill_s, mut decode_s) = (Vec::new(), Vec::new());
+    let mut last = None;
+    for _ in 0..reps.max(1) {
+        m.reset()?;
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        let logits = m.step(&ids, 0)?.to_vec1::<f32>()?;
+        prefill_s.push(t0.elapsed().as_secs_f64());
+        let mut tok = argmax(&logits);
+        let mut tokens = vec![tok];
+        let mut step_logits = Vec::new();
+        dev.synchronize()?;
+        let t1 = Instant::now();
+        for i in 0..gen.saturating_sub(1) {
+            let x = Tensor::new(&[tok], dev)?.unsqueeze(0)?;
+            let l = m.step(&x, prompt.len() + i)?.to_vec1::<f32>()?;
+            tok = argmax(&l);
+            tokens.push(tok);
+            step_logits.push(l);
+        }
+        decode_s.push(t1.elapsed().as_secs_f64());
+        last = Some((logits, step_logits, tokens));
     }
-    let decode_s = t1.elapsed().as_secs_f64();
+    let (prefill_logits, step_logits, tokens) = last.context("no timed run")?;
     Ok(Run {
-        prefill_logits: logits,
+        prefill_logits,
         step_logits,
         tokens,
-        prefill_tok_s: prompt.len() as f64 / prefill_s,
-        decode_tok_s: (gen.saturating_sub(1)) as f64 / decode_s.max(1e-9),
+        prefill_tok_s: prompt.len() as f64 / median(prefill_s),
+        decode_tok_s: (gen.saturating_sub(1)) as f64 / median(decode_s).max(1e-9),
     })
 }
 
@@ -420,6 +433,8 @@ struct Args {
     layers: usize,
     seed: u64,
     cpu: bool,
+    /// Timed repetitions of the prefill and of the decode run (median).
+    reps: usize,
 }
 
 fn parse_args() -> Result<Args> {
@@ -433,6 +448,7 @@ fn parse_args() -> Result<Args> {
         layers: 2,
         seed: 42,
         cpu: false,
+        reps: 5,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -449,8 +465,9 @@ fn parse_args() -> Result<Args> {
             "--gen" => a.gen = val.parse()?,
             "--layers" => a.layers = val.parse()?,
             "--seed" => a.seed = val.parse()?,
+            "--reps" => a.reps = val.parse::<usize>()?.max(1),
             other => bail!(
-                "unknown argument {other} (--models, --prompt, --gen, --layers, --seed, --cpu)"
+                "unknown argument {other} (--models, --prompt, --gen, --layers, --seed, --reps, --cpu)"
             ),
         }
         i += 2;
@@ -507,7 +524,7 @@ fn main() -> Result<()> {
                         dtype,
                         dev: dev.clone(),
                     };
-                    runs.push(run(&mut m, &prompt, g, &dev)?);
+                    runs.push(run(&mut m, &prompt, g, args.reps, &dev)?);
                 }
                 let what = format!("Llama-3-8B, {nl} layers, 32/8 heads (GQA), d128");
                 compare("llama", &what, dt, &runs[0], &runs[1], here, "")
@@ -519,7 +536,7 @@ fn main() -> Result<()> {
                 for flash in [true, false] {
                     let cfg = mistral_cfg(nl, flash, sw);
                     let m = mistral::Model::new(&cfg, var_builder(&w, dtype, &dev))?;
-                    runs.push(run(&mut Mistral(m), &prompt, g, &dev)?);
+                    runs.push(run(&mut Mistral(m), &prompt, g, args.reps, &dev)?);
                 }
                 let what =
                     format!("Mistral-7B-v0.1, {nl} layers, 32/8 heads, d128, sliding_window {sw}");
@@ -536,7 +553,7 @@ fn main() -> Result<()> {
                 let mut runs = Vec::new();
                 for flash in [true, false] {
                     let m = gemma2::Model::new(flash, &cfg, var_builder(&w, dtype, &dev))?;
-                    runs.push(run(&mut Gemma2(m), &prompt, g, &dev)?);
+                    runs.push(run(&mut Gemma2(m), &prompt, g, args.reps, &dev)?);
                 }
                 let what = format!("Gemma-2-9B, {nl} layers, 16/8 heads, d256, softcap 50");
                 compare(
@@ -555,7 +572,7 @@ fn main() -> Result<()> {
                 let mut runs = Vec::new();
                 for flash in [true, false] {
                     let mut m = phi3_model(&gguf, flash, &dev)?;
-                    runs.push(run(&mut m, &prompt, g, &dev)?);
+                    runs.push(run(&mut m, &prompt, g, args.reps, &dev)?);
                 }
                 let what =
                     format!("Phi-3-mini-4k (quantized_phi3, f16 GGUF), {nl} layers, 32 heads, d96");
@@ -574,7 +591,7 @@ fn main() -> Result<()> {
                 let cfg = qwen2_cfg(nl)?;
                 let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
                 let m = qwen2::ModelForCausalLM::new(&cfg, var_builder(&w, dtype, &dev))?;
-                let r = run(&mut Qwen2(m), &prompt, g, &dev)?;
+                let r = run(&mut Qwen2(m), &prompt, g, args.reps, &dev)?;
                 let json = json!({
                     "model": "qwen2",
                     "config": format!("Qwen2-7B, {nl} layers, 28/4 heads, d128"),
@@ -596,10 +613,10 @@ fn main() -> Result<()> {
                 let cfg = qwen3_cfg(nl)?;
                 let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
                 let m = qwen3::ModelForCausalLM::new(&cfg, var_builder(&w, dtype, &dev))?;
-                let flash = run(&mut Qwen3(m), &prompt, g, &dev)?;
+                let flash = run(&mut Qwen3(m), &prompt, g, args.reps, &dev)?;
                 let cpu = Device::Cpu;
                 let m = qwen3::ModelForCausalLM::new(&cfg, var_builder(&w, DType::F32, &cpu))?;
-                let eager = run(&mut Qwen3(m), &prompt, g, &cpu)?;
+                let eager = run(&mut Qwen3(m), &prompt, g, 1, &cpu)?; // the CPU: one run
                 let what = format!("Qwen3-1.7B, {nl} layers, 16/8 heads, d128");
                 compare(
                     "qwen3",
