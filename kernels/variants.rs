@@ -94,6 +94,11 @@ pub struct Variant {
     /// (`FC_SM90_FWD_CAP`); sm80 kernels carry a softcap body anyway (`has_cap_body`), so an sm80
     /// twin is a tile added for a class whose preferred tile has none.
     pub softcap: bool,
+    /// sm90 forward only: the narrow-Q·Kᵀ twin (symbol suffix `_nqk`, `FC_SM90_FWD_NARROW`) for
+    /// head dims below the kernel's (d80/d96 on d128, d160 on d256, ...): Q·Kᵀ stops after
+    /// ceil(d / 16) k-steps instead of running over the zero-filled columns. The dispatcher gives
+    /// it those problems only; the kernel of the full head dim stays unrolled.
+    pub narrow_qk: bool,
 }
 
 impl Variant {
@@ -116,7 +121,13 @@ impl Variant {
             self.block_m,
             self.block_n,
             if self.warp_pairs { "p" } else { "" },
-            if self.softcap { "_cap" } else { "" }
+            if self.softcap {
+                "_cap"
+            } else if self.narrow_qk {
+                "_nqk"
+            } else {
+                ""
+            }
         )
     }
     /// The instantiation macro's suffix in the family's `<kind>.cuh` (`FC_SM80_FWD_PAIRS`).
@@ -125,6 +136,8 @@ impl Variant {
             "_PAIRS"
         } else if self.softcap && self.is_family("sm90") {
             "_CAP"
+        } else if self.narrow_qk {
+            "_NARROW"
         } else {
             ""
         }
@@ -267,7 +280,7 @@ const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         (128, _) => (128, 32, 4, 2),
         _ => (128, 64, 8, 1),
     };
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow_qk: false }
 }
 
 const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -275,14 +288,14 @@ const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // stage, 226 KB (H100 / sm_90 only). Per 128-key tile a warp reads 88 KB of smem for 32 x 128
     // outputs where the 128x64 tile's warps read 144 KB for 16 x 256. Forced sm80 on the H100,
     // bf16 8 x 8 heads x 2k non-causal: 355 TFLOPS against 306 (session 4, docs/perf.md).
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false, narrow_qk: false }
 }
 
 const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // d256 for GPUs with 99 KB of smem per block (sm_86/89): 64x32, 4 warps, 2 stages = 96 KB.
     // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100 (session 3, docs/perf.md),
     // where the 128 KB tile above runs 1.04-1.08x.
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow_qk: false }
 }
 
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -292,7 +305,7 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         256 => (32, 32, 2, 2),
         _ => (64, 64, 4, 2),
     };
-    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false }
+    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow_qk: false }
 }
 
 const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -319,9 +332,17 @@ const fn cap(v: Variant) -> Variant {
     Variant { softcap: true, ..v }
 }
 
+/// The narrow-Q·Kᵀ twin of an sm90 d128/d256 kernel (`Variant::narrow_qk`). H100 bf16, fa3 grid,
+/// the loop in the kernel itself against the unrolled one (session 16, calls I2 and J, two runs
+/// each): d80 +3-11 %, d96 +1-6 %, d160 +1-16 %, but d128 -2 to -5 % and d256 -1 to -6 %: hence a
+/// twin for the padded dims.
+const fn narrow(v: Variant) -> Variant {
+    Variant { narrow_qk: true, ..v }
+}
+
 const fn sm90_staged(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, block_n: u32, max_sq: u32, stages: u32) -> Variant {
     let warps = (block_m / 64 + 1) * 4;
-    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false, softcap: false }
+    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false, softcap: false, narrow_qk: false }
 }
 
 /// Non-causal d64 up to 1k query rows: 256x64 tiles, four consumer warpgroups, a 4-deep K/V ring
@@ -379,14 +400,21 @@ pub const VARIANTS: &[Variant] = &[
     sm90(KDType::Bf16, 64, KMask::None),
     sm90_d64_causal_short(KDType::Bf16),
     sm90(KDType::Bf16, 64, KMask::Causal),
+    narrow(sm90_d128_short(KDType::Bf16)),
     sm90_d128_short(KDType::Bf16),
+    narrow(sm90(KDType::Bf16, 128, KMask::None)),
     sm90(KDType::Bf16, 128, KMask::None),
+    narrow(sm90(KDType::Bf16, 128, KMask::Causal)),
     sm90(KDType::Bf16, 128, KMask::Causal),
+    narrow(sm90_d256_short(KDType::Bf16, KMask::None)),
     sm90_d256_short(KDType::Bf16, KMask::None),
+    narrow(sm90(KDType::Bf16, 256, KMask::None)),
     sm90(KDType::Bf16, 256, KMask::None),
     cap(sm90_d256_short(KDType::Bf16, KMask::None)),
     cap(sm90(KDType::Bf16, 256, KMask::None)),
+    narrow(sm90_d256_short(KDType::Bf16, KMask::Causal)),
     sm90_d256_short(KDType::Bf16, KMask::Causal),
+    narrow(sm90(KDType::Bf16, 256, KMask::Causal)),
     sm90(KDType::Bf16, 256, KMask::Causal),
     cap(sm90_d256_short(KDType::Bf16, KMask::Causal)),
     cap(sm90(KDType::Bf16, 256, KMask::Causal)),
@@ -394,14 +422,21 @@ pub const VARIANTS: &[Variant] = &[
     sm90(KDType::F16, 64, KMask::None),
     sm90_d64_causal_short(KDType::F16),
     sm90(KDType::F16, 64, KMask::Causal),
+    narrow(sm90_d128_short(KDType::F16)),
     sm90_d128_short(KDType::F16),
+    narrow(sm90(KDType::F16, 128, KMask::None)),
     sm90(KDType::F16, 128, KMask::None),
+    narrow(sm90(KDType::F16, 128, KMask::Causal)),
     sm90(KDType::F16, 128, KMask::Causal),
+    narrow(sm90_d256_short(KDType::F16, KMask::None)),
     sm90_d256_short(KDType::F16, KMask::None),
+    narrow(sm90(KDType::F16, 256, KMask::None)),
     sm90(KDType::F16, 256, KMask::None),
     cap(sm90_d256_short(KDType::F16, KMask::None)),
     cap(sm90(KDType::F16, 256, KMask::None)),
+    narrow(sm90_d256_short(KDType::F16, KMask::Causal)),
     sm90_d256_short(KDType::F16, KMask::Causal),
+    narrow(sm90(KDType::F16, 256, KMask::Causal)),
     sm90(KDType::F16, 256, KMask::Causal),
     cap(sm90_d256_short(KDType::F16, KMask::Causal)),
     cap(sm90(KDType::F16, 256, KMask::Causal)),

@@ -274,3 +274,36 @@ fn sm90_kernels_fit_hopper() {
         );
     }
 }
+
+/// Every narrow-Q·Kᵀ twin is an sm90 d128/d256 forward kernel listed right before the kernel it
+/// narrows (same tile), which serves the full head dim.
+#[test]
+fn narrow_twins_precede_their_kernel() {
+    let mut n = 0;
+    for (i, v) in VARIANTS.iter().enumerate() {
+        if !v.narrow_qk {
+            continue;
+        }
+        assert!(
+            v.family == "sm90" && v.head_dim > 64 && !v.softcap,
+            "{}",
+            v.symbol()
+        );
+        let next = VARIANTS.get(i + 1).expect("a narrow twin is not last");
+        assert_eq!(
+            Variant {
+                narrow_qk: false,
+                ..*v
+            }
+            .symbol(),
+            next.symbol(),
+            "{} must precede its kernel",
+            v.symbol()
+        );
+        n += 1;
+    }
+    assert_eq!(
+        n, 14,
+        "narrow twins: d128 (3 tiles) and d256 (4 tiles), bf16 and f16"
+    );
+}

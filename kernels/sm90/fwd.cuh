@@ -110,7 +110,8 @@ template <> struct TypeInfo<__half> {
 // CAP: softcap (p.softcap > 0; the `_cap` twins, FC_SM90_FWD_CAP): each S tile
 // becomes t = tanh(S * scale / softcap) right after its Q K^T (fc::softcap_tanh, before the mask),
 // and the kept scores' unit is softcap instead of scale (exp2 factor, LSE).
-template <typename T, int D, int MASK, int BM, int BN, int STAGES, bool PINGPONG, bool CAP = false>
+template <typename T, int D, int MASK, int BM, int BN, int STAGES, bool PINGPONG, bool CAP = false,
+          bool NARROW = false>
 struct FwdSm90 {
     static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128, 192 or 256");
     static_assert(BM % 64 == 0 && BM >= 128 && BM <= 256, "BLOCK_M = 128, 192 or 256");
@@ -616,12 +617,27 @@ struct FwdSm90 {
                     for (int j = 0; j < 4; ++j)
                         pa[kk][j] = TypeInfo<T>::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
             };
+            // NARROW twins serve head dims below the kernel's (d80 / d96 on the d128 kernel, d160 on
+            // d256, ...): Q and K hold zeros past p.d (TMA fills them), so Q K^T stops after
+            // ceil(d / 16) k-steps. Such a kernel serves d > D / 2: its first D / 32 + 1 k-steps
+            // always run (unrolled), the rest in a loop bounded by the parameter block. A twin,
+            // not a branch: the loop in the kernel of the full head dim cost it 2-5 % (session 16,
+            // calls I2 and J), and a branch around single unrolled wgmmas makes ptxas serialise them
+            // (C7515).
+            constexpr int QK_FIXED = NARROW ? D / 32 + 1 : D / 16;
+            const int qk_steps = NARROW ? (p.d + 15) >> 4 : D / 16;
             auto issue_qk = [&](int stage) {
                 const uint64_t dks = desc_add(dk, stage * KV_BYTES);
 #pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk)
+                for (int kk = 0; kk < QK_FIXED; ++kk)
                     QK::ss(s, desc_add(dq, (kk / 4) * BM * 128 + (kk % 4) * 32),
                            desc_add(dks, (kk / 4) * BN * 128 + (kk % 4) * 32), kk > 0 ? 1 : 0);
+                if (NARROW) {
+#pragma unroll 1
+                    for (int kk = QK_FIXED; kk < qk_steps; ++kk)
+                        QK::ss(s, desc_add(dq, (kk / 4) * BM * 128 + (kk % 4) * 32),
+                               desc_add(dks, (kk / 4) * BN * 128 + (kk % 4) * 32), 1);
+                }
             };
             auto issue_pv = [&](int stage) {
                 const uint64_t dvs = desc_add(dv, stage * KV_BYTES);
@@ -859,17 +875,21 @@ struct FwdSm90 {
 }  // namespace fc90
 
 // SYMBOL(p, tm_q, tm_k, tm_v, tm_o): see the launch contract above. WARPS must be (BLOCK_M/64 + 1) * 4.
-#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP)          \
+#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP, NARROW)  \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32, 1)                                           \
         SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,                 \
                const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,           \
                const __grid_constant__ CUtensorMap tm_o) {                                                  \
         static_assert((WARPS) == ((BLOCK_M) / 64 + 1) * 4, "sm90 fwd: WARPS = (BLOCK_M/64 + 1) * 4");       \
-        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
+        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, NARROW>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
     }
 // Ping-pong between consumer warpgroups for head_dim <= 128 (measured faster there), off for 256.
 #define FC_SM90_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, false)
 // The softcap twin of a kernel (the variant table's `softcap` entries; p.softcap > 0 required).
 #define FC_SM90_FWD_CAP(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true, false)
+// The narrow-Q K^T twin of a kernel (the variant table's `narrow_qk` entries; head dims p.d below
+// HEAD_DIM only).
+#define FC_SM90_FWD_NARROW(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, true)

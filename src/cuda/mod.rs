@@ -312,10 +312,11 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
             } else if p.sq > v.max_sq as usize
                 || !v.admits(modified, general)
                 || starves(v, p, info.sm_count)
+                || (v.narrow_qk && p.d >= v.head_dim as usize)
             {
                 // a later entry serves longer queries, the problem's softcap choice
-                // (`Variant::admits`: softcap twins, kernels with a general body), or small
-                // problems (`starves`)
+                // (`Variant::admits`: softcap twins, kernels with a general body), small
+                // problems (`starves`), or the kernel's own head dim (narrow-Q·Kᵀ twins)
                 continue;
             } else {
                 return Ok(v);
