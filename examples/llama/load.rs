@@ -88,25 +88,49 @@ pub enum RunDtype {
     F32,
 }
 
-/// The run's device (the first GPU when there is one, unless `cpu`) and dtype (default bf16 on
-/// a GPU, f32 on the CPU); seeds the GPU's generator (candle's CPU generator cannot be seeded).
-pub fn device_and_dtype(cpu: bool, dtype: Option<RunDtype>, seed: u64) -> Result<(Device, DType)> {
-    let device = if cpu {
-        Device::Cpu
-    } else {
-        Device::cuda_if_available(0)?
-    };
-    let dtype = match dtype {
-        Some(RunDtype::Bf16) => DType::BF16,
-        Some(RunDtype::F16) => DType::F16,
-        Some(RunDtype::F32) => DType::F32,
-        None if device.is_cpu() => DType::F32,
-        None => DType::BF16,
-    };
-    if !device.is_cpu() {
-        device.set_seed(seed)?;
+/// The run's device, dtype and sampling, as command-line options (examples/llama and
+/// examples/serve flatten it into their arguments).
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Run dtype (default: bf16 on CUDA, f32 on CPU).
+    #[arg(long, value_enum)]
+    pub dtype: Option<RunDtype>,
+    /// Run on the CPU even when a GPU is available.
+    #[arg(long)]
+    pub cpu: bool,
+    /// Seed for sampling, synthetic prompts and loads, and (on CUDA) random weights.
+    #[arg(long, default_value_t = 299_792_458)]
+    pub seed: u64,
+    /// Sampling temperature; 0 (the default) is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Nucleus sampling threshold (with --temperature > 0).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+}
+
+impl RunArgs {
+    /// The run's device (the first GPU when there is one, unless `--cpu`) and dtype (default
+    /// bf16 on a GPU, f32 on the CPU); seeds the GPU's generator (candle's CPU generator cannot
+    /// be seeded).
+    pub fn device_and_dtype(&self) -> Result<(Device, DType)> {
+        let device = if self.cpu {
+            Device::Cpu
+        } else {
+            Device::cuda_if_available(0)?
+        };
+        let dtype = match self.dtype {
+            Some(RunDtype::Bf16) => DType::BF16,
+            Some(RunDtype::F16) => DType::F16,
+            Some(RunDtype::F32) => DType::F32,
+            None if device.is_cpu() => DType::F32,
+            None => DType::BF16,
+        };
+        if !device.is_cpu() {
+            device.set_seed(self.seed)?;
+        }
+        Ok((device, dtype))
     }
-    Ok((device, dtype))
 }
 
 #[derive(Clone, Debug)]

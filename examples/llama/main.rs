@@ -28,7 +28,7 @@ use generate::{
     common_prefix, generate, teacher_forced_agreement, warmup, GenStats, Generation, Sampler,
 };
 use json::quote;
-use load::{device_and_dtype, RunDtype, SourceArgs};
+use load::{RunArgs, SourceArgs};
 use model::{AttnBackend, KvCache, Model};
 use tokenizer::TextTokenizer;
 
@@ -79,21 +79,8 @@ struct Args {
     #[arg(long, value_name = "N")]
     max_positions: Option<usize>,
 
-    /// Run dtype (default: bf16 on CUDA, f32 on CPU).
-    #[arg(long, value_enum)]
-    dtype: Option<RunDtype>,
-    /// Run on the CPU even when a GPU is available.
-    #[arg(long)]
-    cpu: bool,
-    /// Seed for sampling, synthetic prompts and (on CUDA) random weights.
-    #[arg(long, default_value_t = 299_792_458)]
-    seed: u64,
-    /// Sampling temperature; 0 (the default) is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f64,
-    /// Nucleus sampling threshold (with --temperature > 0).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f64,
+    #[command(flatten)]
+    run: RunArgs,
     /// Print one machine-readable JSON line on stdout (and no streamed text).
     #[arg(long)]
     json: bool,
@@ -249,8 +236,12 @@ impl Run<'_> {
         if !self.cache.device().is_cpu() {
             warmup(self.model, &mut self.cache, &self.prompt)?;
         }
-        let mut sampler = if self.args.temperature > 0.0 {
-            Sampler::new(self.args.temperature, self.args.top_p, self.args.seed)
+        let mut sampler = if self.args.run.temperature > 0.0 {
+            Sampler::new(
+                self.args.run.temperature,
+                self.args.run.top_p,
+                self.args.run.seed,
+            )
         } else {
             Sampler::greedy()
         };
@@ -292,7 +283,7 @@ impl Run<'_> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let (device, dtype) = device_and_dtype(args.cpu, args.dtype, args.seed)?;
+    let (device, dtype) = args.run.device_and_dtype()?;
     let source = args.source.source()?;
 
     let t0 = std::time::Instant::now();
@@ -326,7 +317,7 @@ fn main() -> Result<()> {
     );
 
     let prompt = match (args.prompt_len, tok) {
-        (Some(n), t) => synthetic_prompt(n, t, cfg.vocab_size, args.seed)?,
+        (Some(n), t) => synthetic_prompt(n, t, cfg.vocab_size, args.run.seed)?,
         (None, Some(t)) => t.encode_prompt(&args.prompt, !args.no_chat, args.system.as_deref())?,
         (None, None) => {
             bail!("no tokenizer (random weights): use --prompt-len N for a synthetic prompt")
@@ -446,7 +437,7 @@ fn main() -> Result<()> {
                 stats_json(results[1].0, &results[1].1, results[1].2.as_deref()),
             );
         } else {
-            let kind = if args.temperature > 0.0 {
+            let kind = if args.run.temperature > 0.0 {
                 "sampled"
             } else {
                 "greedy"

@@ -41,7 +41,7 @@ use std::path::PathBuf;
 use engine::{KvPool, Limits, Options, Request};
 use generate::{device_mem_info, SplitMix64};
 use json::Json;
-use load::{device_and_dtype, RunDtype, SourceArgs};
+use load::{RunArgs, SourceArgs};
 use model::{AttnBackend, Model};
 use tokenizer::TextTokenizer;
 
@@ -123,17 +123,8 @@ struct Args {
     #[arg(long)]
     max_positions: Option<usize>,
 
-    #[arg(long, value_enum)]
-    dtype: Option<RunDtype>,
-    #[arg(long)]
-    cpu: bool,
-    #[arg(long, default_value_t = 299_792_458)]
-    seed: u64,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f64,
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f64,
+    #[command(flatten)]
+    run: RunArgs,
     /// One JSON line per request and a summary line on stdout.
     #[arg(long)]
     json: bool,
@@ -169,7 +160,7 @@ and the spread of pamphlets, maps and scientific tables changed how knowledge tr
 carried paper and ink; merchants carried news. ";
 
 fn build_requests(args: &Args, tok: Option<&TextTokenizer>, vocab: usize) -> Result<Vec<Request>> {
-    let mut rng = SplitMix64(args.seed);
+    let mut rng = SplitMix64(args.run.seed);
     let mut reqs = Vec::new();
     if let Some(path) = &args.requests_file {
         let tok = tok.context("--requests-file needs a tokenizer (random weights have none)")?;
@@ -250,7 +241,7 @@ fn build_requests(args: &Args, tok: Option<&TextTokenizer>, vocab: usize) -> Res
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let (device, dtype) = device_and_dtype(args.cpu, args.dtype, args.seed)?;
+    let (device, dtype) = args.run.device_and_dtype()?;
     let source = args.source.source()?;
     let t0 = std::time::Instant::now();
     let loaded = load::load(
@@ -296,9 +287,9 @@ fn main() -> Result<()> {
         } else {
             tok.map(|t| t.eos_ids.clone()).unwrap_or_default()
         },
-        temperature: args.temperature,
-        top_p: args.top_p,
-        seed: args.seed,
+        temperature: args.run.temperature,
+        top_p: args.run.top_p,
+        seed: args.run.seed,
         progress: !args.no_progress,
     };
 
