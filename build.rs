@@ -113,8 +113,14 @@ fn main() {
             }
         }
         for v in &chosen {
+            // a narrow twin's macro takes its width last
+            let width = if v.narrow > 0 {
+                format!(", {}", v.narrow)
+            } else {
+                String::new()
+            };
             src += &format!(
-                "{}{}({}, {}, {}, {}, {}, {}, {}, {})\n",
+                "{}{}({}, {}, {}, {}, {}, {}, {}, {}{width})\n",
                 kind_macro(fam.name, v.kind),
                 v.macro_suffix(),
                 v.symbol(),

@@ -94,25 +94,34 @@ pub struct Variant {
     /// (`FC_SM90_FWD_CAP`); sm80 kernels carry a softcap body anyway (`has_cap_body`), so an sm80
     /// twin is a tile added for a class whose preferred tile has none.
     pub softcap: bool,
-    /// sm90 forward only: the narrow-Q·Kᵀ twin (symbol suffix `_nqk`, `FC_SM90_FWD_NARROW`) for
-    /// head dims below the kernel's (d80/d96 on d128, d160 on d256, ...): Q·Kᵀ stops after
-    /// ceil(d / 16) k-steps instead of running over the zero-filled columns. The dispatcher gives
-    /// it those problems only; the kernel of the full head dim stays unrolled.
-    pub narrow_qk: bool,
+    /// sm90 forward only, 0 elsewhere: a narrow twin's head dim (symbol suffix `_n<width>`,
+    /// `FC_SM90_FWD_NARROW`). It keeps its kernel's tiles in shared memory but loads, multiplies
+    /// and stores only `narrow` columns (Q·Kᵀ over narrow / 16 k-steps, P·V and O `narrow` wide):
+    /// d32 on the d64 tiles, d96 on d128, d160 and d192 on d256. The dispatcher gives it the head
+    /// dims up to `narrow` that no narrower entry before it took; the kernel stays full width.
+    pub narrow: u32,
 }
 
 impl Variant {
     /// Entry-point name: `fc_<family>_<kind>_<dtype>_d<head_dim>_<mask>_<block_m>x<block_n>`,
-    /// plus `p` for warp pairs and `_s<stages>` for sm90 tiles with other than two K/V stages (the
-    /// tile tells apart the variants of one problem class that need different smem).
+    /// plus `p` for warp pairs, `_s<stages>` for sm90 tiles with other than two K/V stages (the
+    /// tile tells apart the variants of one problem class that need different smem), and `_cap`
+    /// or `_n<width>` for a twin.
     pub fn symbol(&self) -> String {
         let stages = if self.is_family("sm90") && self.stages != 2 {
             format!("_s{}", self.stages)
         } else {
             String::new()
         };
+        let twin = if self.softcap {
+            "_cap".to_string()
+        } else if self.narrow > 0 {
+            format!("_n{}", self.narrow)
+        } else {
+            String::new()
+        };
         format!(
-            "fc_{}_{}_{}_d{}_{}_{}x{}{}{stages}{}",
+            "fc_{}_{}_{}_d{}_{}_{}x{}{}{stages}{twin}",
             self.family,
             self.kind.name(),
             self.dtype.name(),
@@ -121,13 +130,6 @@ impl Variant {
             self.block_m,
             self.block_n,
             if self.warp_pairs { "p" } else { "" },
-            if self.softcap {
-                "_cap"
-            } else if self.narrow_qk {
-                "_nqk"
-            } else {
-                ""
-            }
         )
     }
     /// The instantiation macro's suffix in the family's `<kind>.cuh` (`FC_SM80_FWD_PAIRS`).
@@ -136,7 +138,7 @@ impl Variant {
             "_PAIRS"
         } else if self.softcap && self.is_family("sm90") {
             "_CAP"
-        } else if self.narrow_qk {
+        } else if self.narrow > 0 {
             "_NARROW"
         } else {
             ""
@@ -280,7 +282,7 @@ const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         (128, _) => (128, 32, 4, 2),
         _ => (128, 64, 8, 1),
     };
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow_qk: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0 }
 }
 
 const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -288,14 +290,14 @@ const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // stage, 226 KB (H100 / sm_90 only). Per 128-key tile a warp reads 88 KB of smem for 32 x 128
     // outputs where the 128x64 tile's warps read 144 KB for 16 x 256. Forced sm80 on the H100,
     // bf16 8 x 8 heads x 2k non-causal: 355 TFLOPS against 306 (session 4, docs/perf.md).
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false, narrow_qk: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false, narrow: 0 }
 }
 
 const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // d256 for GPUs with 99 KB of smem per block (sm_86/89): 64x32, 4 warps, 2 stages = 96 KB.
     // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100 (session 3, docs/perf.md),
     // where the 128 KB tile above runs 1.04-1.08x.
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow_qk: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0 }
 }
 
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -305,7 +307,7 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         256 => (32, 32, 2, 2),
         _ => (64, 64, 4, 2),
     };
-    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow_qk: false }
+    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0 }
 }
 
 const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -332,17 +334,14 @@ const fn cap(v: Variant) -> Variant {
     Variant { softcap: true, ..v }
 }
 
-/// The narrow-Q·Kᵀ twin of an sm90 d128/d256 kernel (`Variant::narrow_qk`). H100 bf16, fa3 grid,
-/// the loop in the kernel itself against the unrolled one (session 16, calls I2 and J, two runs
-/// each): d80 +3-11 %, d96 +1-6 %, d160 +1-16 %, but d128 -2 to -5 % and d256 -1 to -6 %: hence a
-/// twin for the padded dims.
-const fn narrow(v: Variant) -> Variant {
-    Variant { narrow_qk: true, ..v }
+/// The narrow twin of an sm90 kernel computing `width` head-dim columns (`Variant::narrow`).
+const fn narrow(v: Variant, width: u32) -> Variant {
+    Variant { narrow: width, ..v }
 }
 
 const fn sm90_staged(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, block_n: u32, max_sq: u32, stages: u32) -> Variant {
     let warps = (block_m / 64 + 1) * 4;
-    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false, softcap: false, narrow_qk: false }
+    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false, softcap: false, narrow: 0 }
 }
 
 /// Non-causal d64 up to 1k query rows: 256x64 tiles, four consumer warpgroups, a 4-deep K/V ring
@@ -396,47 +395,63 @@ pub fn combine_symbol(family: &str, dtype: KDType, head_dim: u32) -> String {
 /// several entries, they are in order of preference: the dispatcher takes the first one whose
 /// shared memory fits the GPU and whose `max_sq` admits the problem's seq_q.
 pub const VARIANTS: &[Variant] = &[
+    narrow(sm90_d64_short(KDType::Bf16), 32),
     sm90_d64_short(KDType::Bf16),
+    narrow(sm90(KDType::Bf16, 64, KMask::None), 32),
     sm90(KDType::Bf16, 64, KMask::None),
+    narrow(sm90_d64_causal_short(KDType::Bf16), 32),
     sm90_d64_causal_short(KDType::Bf16),
+    narrow(sm90(KDType::Bf16, 64, KMask::Causal), 32),
     sm90(KDType::Bf16, 64, KMask::Causal),
-    narrow(sm90_d128_short(KDType::Bf16)),
+    narrow(sm90_d128_short(KDType::Bf16), 96),
     sm90_d128_short(KDType::Bf16),
-    narrow(sm90(KDType::Bf16, 128, KMask::None)),
+    narrow(sm90(KDType::Bf16, 128, KMask::None), 96),
     sm90(KDType::Bf16, 128, KMask::None),
-    narrow(sm90(KDType::Bf16, 128, KMask::Causal)),
+    narrow(sm90(KDType::Bf16, 128, KMask::Causal), 96),
     sm90(KDType::Bf16, 128, KMask::Causal),
-    narrow(sm90_d256_short(KDType::Bf16, KMask::None)),
+    narrow(sm90_d256_short(KDType::Bf16, KMask::None), 160),
+    narrow(sm90_d256_short(KDType::Bf16, KMask::None), 192),
     sm90_d256_short(KDType::Bf16, KMask::None),
-    narrow(sm90(KDType::Bf16, 256, KMask::None)),
+    narrow(sm90(KDType::Bf16, 256, KMask::None), 160),
+    narrow(sm90(KDType::Bf16, 256, KMask::None), 192),
     sm90(KDType::Bf16, 256, KMask::None),
     cap(sm90_d256_short(KDType::Bf16, KMask::None)),
     cap(sm90(KDType::Bf16, 256, KMask::None)),
-    narrow(sm90_d256_short(KDType::Bf16, KMask::Causal)),
+    narrow(sm90_d256_short(KDType::Bf16, KMask::Causal), 160),
+    narrow(sm90_d256_short(KDType::Bf16, KMask::Causal), 192),
     sm90_d256_short(KDType::Bf16, KMask::Causal),
-    narrow(sm90(KDType::Bf16, 256, KMask::Causal)),
+    narrow(sm90(KDType::Bf16, 256, KMask::Causal), 160),
+    narrow(sm90(KDType::Bf16, 256, KMask::Causal), 192),
     sm90(KDType::Bf16, 256, KMask::Causal),
     cap(sm90_d256_short(KDType::Bf16, KMask::Causal)),
     cap(sm90(KDType::Bf16, 256, KMask::Causal)),
+    narrow(sm90_d64_short(KDType::F16), 32),
     sm90_d64_short(KDType::F16),
+    narrow(sm90(KDType::F16, 64, KMask::None), 32),
     sm90(KDType::F16, 64, KMask::None),
+    narrow(sm90_d64_causal_short(KDType::F16), 32),
     sm90_d64_causal_short(KDType::F16),
+    narrow(sm90(KDType::F16, 64, KMask::Causal), 32),
     sm90(KDType::F16, 64, KMask::Causal),
-    narrow(sm90_d128_short(KDType::F16)),
+    narrow(sm90_d128_short(KDType::F16), 96),
     sm90_d128_short(KDType::F16),
-    narrow(sm90(KDType::F16, 128, KMask::None)),
+    narrow(sm90(KDType::F16, 128, KMask::None), 96),
     sm90(KDType::F16, 128, KMask::None),
-    narrow(sm90(KDType::F16, 128, KMask::Causal)),
+    narrow(sm90(KDType::F16, 128, KMask::Causal), 96),
     sm90(KDType::F16, 128, KMask::Causal),
-    narrow(sm90_d256_short(KDType::F16, KMask::None)),
+    narrow(sm90_d256_short(KDType::F16, KMask::None), 160),
+    narrow(sm90_d256_short(KDType::F16, KMask::None), 192),
     sm90_d256_short(KDType::F16, KMask::None),
-    narrow(sm90(KDType::F16, 256, KMask::None)),
+    narrow(sm90(KDType::F16, 256, KMask::None), 160),
+    narrow(sm90(KDType::F16, 256, KMask::None), 192),
     sm90(KDType::F16, 256, KMask::None),
     cap(sm90_d256_short(KDType::F16, KMask::None)),
     cap(sm90(KDType::F16, 256, KMask::None)),
-    narrow(sm90_d256_short(KDType::F16, KMask::Causal)),
+    narrow(sm90_d256_short(KDType::F16, KMask::Causal), 160),
+    narrow(sm90_d256_short(KDType::F16, KMask::Causal), 192),
     sm90_d256_short(KDType::F16, KMask::Causal),
-    narrow(sm90(KDType::F16, 256, KMask::Causal)),
+    narrow(sm90(KDType::F16, 256, KMask::Causal), 160),
+    narrow(sm90(KDType::F16, 256, KMask::Causal), 192),
     sm90(KDType::F16, 256, KMask::Causal),
     cap(sm90_d256_short(KDType::F16, KMask::Causal)),
     cap(sm90(KDType::F16, 256, KMask::Causal)),

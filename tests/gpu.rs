@@ -246,6 +246,74 @@ fn short_d64_tiles_by_problem_size() -> Result<()> {
     Ok(())
 }
 
+/// The sm90 narrow twins (d32 on the d64 tiles, d96 on d128, d160 and d192 on d256) on every
+/// tile they have, causal and not, at the twin's width, below it and just above it (the next
+/// twin or the full kernel then): the 2x naive-error rule, and on sm90 the kernel chosen.
+#[test]
+fn narrow_twins_on_every_tile() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    let sms = flashcore::cuda::device_info(cuda)?.sm_count;
+    // (width, mask, b, sq, sk, hq, hkv, tile): the tiles of d64, d128 and d256 by problem size
+    // (the 256-row d64 tile needs a query tile per SM: 4 x 40 = 160 >= 132 on the H100)
+    let tiles = [
+        (32, Mask::None, 1, 1000, 600, 40, 8, "_256x64_s4"),
+        (32, Mask::None, 1, 1500, 1500, 2, 1, "_192x128"),
+        (32, Mask::Causal, 2, 500, 700, 4, 1, "_128x128"),
+        (32, Mask::Causal, 1, 1500, 1500, 2, 2, "_192x128"),
+        (96, Mask::None, 2, 500, 300, 4, 2, "_128x128"),
+        (96, Mask::None, 1, 1500, 1400, 2, 1, "_128x160"),
+        (96, Mask::Causal, 1, 700, 900, 4, 4, "_128x128"),
+        (160, Mask::None, 2, 500, 600, 2, 1, "_128x64"),
+        (160, Mask::None, 1, 2200, 2100, 2, 2, "_128x80"),
+        (160, Mask::Causal, 1, 1500, 1600, 4, 1, "_128x64"),
+        (160, Mask::Causal, 1, 2200, 2300, 2, 1, "_128x80"),
+        (192, Mask::None, 1, 300, 500, 4, 2, "_128x64"),
+        (192, Mask::None, 1, 2100, 2200, 2, 1, "_128x80"),
+        (192, Mask::Causal, 2, 600, 600, 2, 2, "_128x64"),
+        (192, Mask::Causal, 1, 2300, 2200, 2, 1, "_128x80"),
+    ];
+    let mut n = 0;
+    for (w, mask, b, sq, sk, hq, hkv, tile) in tiles {
+        for d in [w - 8, w, w + 8] {
+            let c = Case {
+                b,
+                sq,
+                sk,
+                hq,
+                hkv,
+                d,
+                dtype: if n % 2 == 0 { DType::BF16 } else { DType::F16 },
+                mask,
+                strided: n % 3 == 1,
+            };
+            let (e, ne, kernel) = check(&dev, &c)?;
+            if kernel.contains("_sm90_") && (tile != "_256x64_s4" || sms <= 160) {
+                let twin = format!("_n{w}");
+                if d <= w {
+                    assert!(
+                        kernel.ends_with(&format!("{tile}{twin}")),
+                        "{c}: ran {kernel}, want the {tile} tile's {twin} twin"
+                    );
+                } else if w == 160 {
+                    assert!(
+                        kernel.ends_with(&format!("{tile}_n192")),
+                        "{c}: ran {kernel}"
+                    );
+                } else {
+                    assert!(kernel.ends_with(tile), "{c}: ran {kernel}, want {tile}");
+                }
+            }
+            println!("[OK] {c}: err {e:.2e} (naive {ne:.2e}) {kernel}");
+            n += 1;
+        }
+    }
+    Ok(())
+}
+
 /// Softmax scales other than 1/sqrt(d) (small, large; zero and negative ones have no GPU kernel
 /// and must say so) and scores that grow as the kernels walk the keys (last key tile first): the
 /// running-max bookkeeping of every family, including the sm90 lazy rescale (a row's reference

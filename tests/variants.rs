@@ -41,6 +41,7 @@ fn pick_cap(
             && v.smem_bytes() <= smem
             && sq <= v.max_sq
             && v.admits_softcap(cap)
+            && v.narrow == 0 // the class's own head dim: narrow twins serve narrower ones
     })
 }
 
@@ -275,35 +276,59 @@ fn sm90_kernels_fit_hopper() {
     }
 }
 
-/// Every narrow-Q·Kᵀ twin is an sm90 d128/d256 forward kernel listed right before the kernel it
-/// narrows (same tile), which serves the full head dim.
+/// Every narrow twin is an sm90 forward kernel listed before the kernel it narrows (same tile),
+/// which serves the full head dim, the twins of one kernel in increasing width; each width lies
+/// between the next smaller kernel's head dim and its own, and the sm90 family has twins for every
+/// (dtype, head dim, mask, tile) of d64, d128 and d256 but the softcap ones.
 #[test]
 fn narrow_twins_precede_their_kernel() {
     let mut n = 0;
     for (i, v) in VARIANTS.iter().enumerate() {
-        if !v.narrow_qk {
+        if v.narrow == 0 {
             continue;
         }
+        assert!(v.family == "sm90" && !v.softcap, "{}", v.symbol());
+        let below = match v.head_dim {
+            64 => 0,
+            128 => 64,
+            256 => 128,
+            d => panic!("{}: no narrow twin of d{d}", v.symbol()),
+        };
         assert!(
-            v.family == "sm90" && v.head_dim > 64 && !v.softcap,
-            "{}",
-            v.symbol()
+            v.narrow > below && v.narrow < v.head_dim && v.narrow % 16 == 0,
+            "{}: width {} outside ({below}, {})",
+            v.symbol(),
+            v.narrow,
+            v.head_dim
         );
         let next = VARIANTS.get(i + 1).expect("a narrow twin is not last");
-        assert_eq!(
-            Variant {
-                narrow_qk: false,
-                ..*v
-            }
-            .symbol(),
-            next.symbol(),
-            "{} must precede its kernel",
-            v.symbol()
-        );
+        let own = Variant { narrow: 0, ..*v }.symbol();
+        if next.narrow > 0 {
+            assert!(
+                next.narrow > v.narrow && Variant { narrow: 0, ..*next }.symbol() == own,
+                "{} must be followed by a wider twin of its kernel or the kernel, not {}",
+                v.symbol(),
+                next.symbol()
+            );
+        } else {
+            assert_eq!(own, next.symbol(), "{} must precede its kernel", v.symbol());
+        }
         n += 1;
     }
+    let full = |d: u32| {
+        VARIANTS
+            .iter()
+            .filter(|v| v.family == "sm90" && v.head_dim == d && !v.softcap && v.narrow == 0)
+            .count()
+    };
+    // d64: d32; d128: d96; d256: d160 and d192
     assert_eq!(
-        n, 14,
-        "narrow twins: d128 (3 tiles) and d256 (4 tiles), bf16 and f16"
+        n,
+        full(64) + full(128) + 2 * full(256),
+        "narrow twins for every sm90 tile (softcap twins aside)"
+    );
+    assert_eq!(
+        n, 30,
+        "narrow twins: d64 and d128 (7 tiles), d256 (4 tiles, two widths), bf16 and f16"
     );
 }

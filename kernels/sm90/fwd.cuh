@@ -110,20 +110,27 @@ template <> struct TypeInfo<__half> {
 // CAP: softcap (p.softcap > 0; the `_cap` twins, FC_SM90_FWD_CAP): each S tile
 // becomes t = tanh(S * scale / softcap) right after its Q K^T (fc::softcap_tanh, before the mask),
 // and the kept scores' unit is softcap instead of scale (exp2 factor, LSE).
+// DV: the head dim the kernel computes (D: the full kernel). A narrow twin (DV < D, the variant
+// table's `narrow`) keeps the D-wide shared-memory tiles of its kernel but loads, multiplies and
+// stores only the first DV columns: Q K^T over DV / 16 k-steps, P V and O DV wide.
 template <typename T, int D, int MASK, int BM, int BN, int STAGES, bool PINGPONG, bool CAP = false,
-          bool NARROW = false>
+          int DV = D>
 struct FwdSm90 {
     static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128, 192 or 256");
+    static_assert(DV % 16 == 0 && DV >= 32 && DV <= D, "narrow width: a multiple of 16, 32..D");
     static_assert(BM % 64 == 0 && BM >= 128 && BM <= 256, "BLOCK_M = 128, 192 or 256");
     static_assert(BN % 16 == 0 && BN <= 256, "BLOCK_N multiple of 16");
     static_assert(MASK == 0 || MASK == 1, "sm90 path: mask none or causal");
     static constexpr bool CAUSAL = MASK == 1;
     static constexpr int NC = BM / 64;  // consumer warpgroups
     static constexpr int NTHREADS = (NC + 1) * 128;
-    static constexpr int DB = D / 64;  // 64-column (128-byte) blocks
+    static constexpr int DB = D / 64;  // 64-column (128-byte) blocks of the tiles
+    static constexpr int DBV = (DV + 63) / 64;  // ... of them loaded and stored
     static constexpr uint32_t Q_BYTES = BM * D * 2;
     static constexpr uint32_t KV_BYTES = BN * D * 2;
     static constexpr bool SEP_O = fwd_sep_o(BM, BN, D, STAGES);
+    static constexpr uint32_t Q_LOAD = BM * DBV * 128;  // TMA bytes per Q / K-or-V tile
+    static constexpr uint32_t KV_LOAD = BN * DBV * 128;
     static constexpr uint32_t TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + (SEP_O ? Q_BYTES : 0);
     static_assert(TILE_BYTES + 1280 <= 232448, "shared memory over the 227 KB limit");
     // setmaxnreg split. setmaxnreg.inc blocks until the CTA's register pool (what the launch
@@ -164,7 +171,7 @@ struct FwdSm90 {
     // 1.4-4.3 % through register pressure in the key loop): docs/perf.md, "Session 9" and "Session 10".
     static constexpr bool FAST = !CAUSAL;
     using QK = Wgmma<BN, BF>;
-    using PV = Wgmma<D, BF>;
+    using PV = Wgmma<DV, BF>;
 
     // Tile lin (0 <= lin < num_m * hq * b) -> (m_block, h, bi). Non-causal: m fastest (CTAs in flight
     // share K/V). Causal: longest query tiles first within groups of G (batch, head) pairs whose K and V
@@ -200,7 +207,7 @@ struct FwdSm90 {
         float acc = 0.f;
         const uint32_t qa = sq_ + qr * 128, ka = sk_ + kr * 128, qs = (qr & 7) << 4, ks = (kr & 7) << 4;
 #pragma unroll 1
-        for (int w = 0; w < D / 2; ++w) {  // 32-bit words: 2 elements
+        for (int w = 0; w < DV / 2; ++w) {  // 32-bit words: 2 elements
             const uint32_t blk = (w >> 5), off = (((w & 31) >> 2) << 4) | ((w & 3) << 2);
             const float2 x = TypeInfo<T>::unpack(fc::ld_shared_b32(qa + blk * BM * 128 + (off ^ qs)));
             const float2 y = TypeInfo<T>::unpack(fc::ld_shared_b32(ka + blk * BN * 128 + (off ^ ks)));
@@ -366,28 +373,28 @@ struct FwdSm90 {
                                 row = key & ((1 << sh) - 1);
                             }
 #pragma unroll
-                            for (int c = 0; c < DB; ++c)
+                            for (int c = 0; c < DBV; ++c)
                                 tma_load_4d(dst + c * BN * 128 + r * 128, tm, bar, c * 64, row, hk, page, kEvictLast);
                         }
                     };
                     auto load_k = [&](int n) {
                         mbar_wait(empty_k(ks.stage), ks.phase ^ 1);
-                        mbar_arrive_expect_tx(full_k(ks.stage), KV_BYTES);
+                        mbar_arrive_expect_tx(full_k(ks.stage), KV_LOAD);
                         load_tile(sK + ks.stage * KV_BYTES, tmk, full_k(ks.stage), n);
                         ks.advance();
                     };
                     auto load_v = [&](int n) {
                         mbar_wait(empty_v(vs.stage), vs.phase ^ 1);
-                        mbar_arrive_expect_tx(full_v(vs.stage), KV_BYTES);
+                        mbar_arrive_expect_tx(full_v(vs.stage), KV_LOAD);
                         load_tile(sV + vs.stage * KV_BYTES, tmv, full_v(vs.stage), n);
                         vs.advance();
                     };
                     load_k(n_max - 1);
                     // Q buffer is free once both consumer warpgroups finished the previous epilogue
                     mbar_wait(q_empty, (qi & 1) ^ 1);
-                    mbar_arrive_expect_tx(bar_q, Q_BYTES);
+                    mbar_arrive_expect_tx(bar_q, Q_LOAD);
 #pragma unroll
-                    for (int c = 0; c < DB; ++c)
+                    for (int c = 0; c < DBV; ++c)
                         tma_load_4d(sQ + c * BM * 128, tmq, bar_q, c * 64, q0 + m_block * BM, h, bq, kEvictFirst);
                     ++qi;
 #pragma unroll 1
@@ -414,11 +421,11 @@ struct FwdSm90 {
         const uint64_t dv = desc_sw128(sV, BN * 128, 1024);
         uint8_t* const gsO = smem_raw + ((SEP_O ? sO : sQ) - raw);
         const uint32_t slice = c * 8192;
-        constexpr int CPR = D / 8;  // 16-byte chunks per output row
+        constexpr int CPR = DV / 8;  // 16-byte chunks per output row
         PipeState<STAGES> ks, vs;
         uint32_t qi = 0, si = 0;
 
-        float o[D / 2];
+        float o[DV / 2];
         float s[BN / 2];
         uint32_t pa[BN / 16][4];
         float m_r[2], l_r[2];
@@ -475,7 +482,7 @@ struct FwdSm90 {
             m_r[0] = m_r[1] = -INFINITY;
             l_r[0] = l_r[1] = 0.f;
 #pragma unroll
-            for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+            for (int i = 0; i < DV / 2; ++i) o[i] = 0.f;
 
             // softmax of one S tile held in s[]: mask, new max, alpha, exponentials, partial row sums.
             // key tile n needs masking (it is the ragged last one or crosses the causal diagonal);
@@ -617,27 +624,17 @@ struct FwdSm90 {
                     for (int j = 0; j < 4; ++j)
                         pa[kk][j] = TypeInfo<T>::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
             };
-            // NARROW twins serve head dims below the kernel's (d80 / d96 on the d128 kernel, d160 on
-            // d256, ...): Q and K hold zeros past p.d (TMA fills them), so Q K^T stops after
-            // ceil(d / 16) k-steps. Such a kernel serves d > D / 2: its first D / 32 + 1 k-steps
-            // always run (unrolled), the rest in a loop bounded by the parameter block. A twin,
-            // not a branch: the loop in the kernel of the full head dim cost it 2-5 % (session 16,
-            // calls I2 and J), and a branch around single unrolled wgmmas makes ptxas serialise them
-            // (C7515).
-            constexpr int QK_FIXED = NARROW ? D / 32 + 1 : D / 16;
-            const int qk_steps = NARROW ? (p.d + 15) >> 4 : D / 16;
+            // Q K^T over the DV columns in use (a narrow twin: the columns past p.d <= DV are zeros,
+            // filled by TMA). The narrow-Q K^T twins of session 16 ran ceil(d / 16) k-steps in a
+            // loop bounded by the parameter block (d80 +3-11 %, d160 +1-16 %); the loop in the
+            // full-width kernels themselves cost d128 2-5 % (calls I2 and J), and a branch around
+            // single unrolled wgmmas makes ptxas serialise them (C7515): hence compile-time twins.
             auto issue_qk = [&](int stage) {
                 const uint64_t dks = desc_add(dk, stage * KV_BYTES);
 #pragma unroll
-                for (int kk = 0; kk < QK_FIXED; ++kk)
+                for (int kk = 0; kk < DV / 16; ++kk)
                     QK::ss(s, desc_add(dq, (kk / 4) * BM * 128 + (kk % 4) * 32),
                            desc_add(dks, (kk / 4) * BN * 128 + (kk % 4) * 32), kk > 0 ? 1 : 0);
-                if (NARROW) {
-#pragma unroll 1
-                    for (int kk = QK_FIXED; kk < qk_steps; ++kk)
-                        QK::ss(s, desc_add(dq, (kk / 4) * BM * 128 + (kk % 4) * 32),
-                               desc_add(dks, (kk / 4) * BN * 128 + (kk % 4) * 32), 1);
-                }
             };
             auto issue_pv = [&](int stage) {
                 const uint64_t dvs = desc_add(dv, stage * KV_BYTES);
@@ -679,7 +676,7 @@ struct FwdSm90 {
                     mbar_wait(full_v(vs.stage), vs.phase);
                     uint8_t* const vt = smem_raw + (sV + vs.stage * KV_BYTES - raw);
                     const int units = (BN - valid) * 8;  // 16-byte units per 64-column block
-                    for (int i = t128; i < units * DB; i += 128) {
+                    for (int i = t128; i < units * DBV; i += 128) {
                         const int cb = i / units, r = valid + (i % units) / 8, u = i % 8;
                         *reinterpret_cast<uint4*>(vt + cb * BN * 128 + r * 128 + u * 16) = make_uint4(0, 0, 0, 0);
                     }
@@ -712,7 +709,7 @@ struct FwdSm90 {
                 }
                 if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-                    for (int j = 0; j < D / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
+                    for (int j = 0; j < DV / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
                 }
                 convert_p();
             };
@@ -795,7 +792,7 @@ struct FwdSm90 {
                 named_sync(BAR_EPI + c, 128);
             }
 #pragma unroll
-            for (int i = 0; i < D / 2; i += 2) {
+            for (int i = 0; i < DV / 2; i += 2) {
                 const int col = 8 * (i >> 2) + 2 * tq;
                 const int rl = warp * 16 + g + 8 * ((i >> 1) & 1);
                 const int cb = col >> 6, ch = (col & 63) >> 3;
@@ -835,7 +832,7 @@ struct FwdSm90 {
                 }
                 if (t128 == 0 && !tail) {
 #pragma unroll
-                    for (int cb = 0; cb < DB; ++cb)
+                    for (int cb = 0; cb < DBV; ++cb)
                         tma_store_4d(tmo, (SEP_O ? sO : sQ) + cb * BM * 128 + slice, cb * 64, q0 + srow, h, 0);
                     bulk_commit();
                 }
@@ -856,7 +853,7 @@ struct FwdSm90 {
                 int h, bi;
                 head_batch(h, bi);
 #pragma unroll
-                for (int cb = 0; cb < DB; ++cb)
+                for (int cb = 0; cb < DBV; ++cb)
                     tma_store_4d(tmo, (SEP_O ? sO : sQ) + cb * BM * 128 + slice, cb * 64, m_block * BM + c * 64, h, bi);
                 bulk_commit();
                 if (!SEP_O) {
@@ -875,21 +872,21 @@ struct FwdSm90 {
 }  // namespace fc90
 
 // SYMBOL(p, tm_q, tm_k, tm_v, tm_o): see the launch contract above. WARPS must be (BLOCK_M/64 + 1) * 4.
-#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP, NARROW)  \
+#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP, DV)  \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32, 1)                                           \
         SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,                 \
                const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,           \
                const __grid_constant__ CUtensorMap tm_o) {                                                  \
         static_assert((WARPS) == ((BLOCK_M) / 64 + 1) * 4, "sm90 fwd: WARPS = (BLOCK_M/64 + 1) * 4");       \
-        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, NARROW>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
+        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DV>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
     }
 // Ping-pong between consumer warpgroups for head_dim <= 128 (measured faster there), off for 256.
 #define FC_SM90_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, false)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM)
 // The softcap twin of a kernel (the variant table's `softcap` entries; p.softcap > 0 required).
 #define FC_SM90_FWD_CAP(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true, false)
-// The narrow-Q K^T twin of a kernel (the variant table's `narrow_qk` entries; head dims p.d below
-// HEAD_DIM only).
-#define FC_SM90_FWD_NARROW(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, true)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true, HEAD_DIM)
+// The narrow twin of a kernel computing DV < HEAD_DIM columns (the variant table's `narrow`
+// entries; head dims p.d <= DV only).
+#define FC_SM90_FWD_NARROW(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, DV) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, DV)

@@ -242,9 +242,6 @@ fn smem_budget(info: &DeviceInfo) -> Result<u32> {
     })
 }
 
-/// The variant that runs `p` on a GPU of family `arch` with `smem` bytes of shared memory per
-/// block: the first compiled candidate in the variant table's order of preference that fits.
-/// Otherwise an error saying which option has no GPU kernel (yet), or what does not fit.
 /// The 256-row d64 tile (`sm90_d64_short`) on a problem with fewer of its query tiles than the
 /// GPU has SMs: the next entry (192 rows) spreads the work over more of them. H100, bf16, CUDA
 /// events after an L2 flush (session 16, call C): 1x8x512 16.6 -> 14.7 us, 2x8x512 17.2 -> 15.4,
@@ -253,6 +250,9 @@ fn starves(v: &Variant, p: &Problem, sms: usize) -> bool {
     v.block_m == 256 && p.sq.div_ceil(256) * p.hq * p.b < sms
 }
 
+/// The variant that runs `p` on a GPU of family `arch` with `smem` bytes of shared memory per
+/// block: the first compiled candidate in the variant table's order of preference that fits.
+/// Otherwise an error saying which option has no GPU kernel (yet), or what does not fit.
 fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
     let arch = arch::select(info.major, info.minor)?;
     let smem = smem_budget(info)?;
@@ -312,11 +312,11 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
             } else if p.sq > v.max_sq as usize
                 || !v.admits(modified, general)
                 || starves(v, p, info.sm_count)
-                || (v.narrow_qk && p.d >= v.head_dim as usize)
+                || (v.narrow > 0 && p.d > v.narrow as usize)
             {
                 // a later entry serves longer queries, the problem's softcap choice
                 // (`Variant::admits`: softcap twins, kernels with a general body), small
-                // problems (`starves`), or the kernel's own head dim (narrow-Q·Kᵀ twins)
+                // problems (`starves`), or head dims wider than a narrow twin's
                 continue;
             } else {
                 return Ok(v);
