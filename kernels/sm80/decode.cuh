@@ -64,7 +64,8 @@
 //   the ALiBi bias (runtime branch per 16-key step, as softcap); p.d <= HEAD_DIM (columns beyond it
 //   zero-filled, never stored). Paged caches (p.page_table): K/V rows through fc::paged_row
 //   (common/seqlens.cuh), page by page per row; pages of whole tiles (page_size % BLOCK_N == 0)
-//   one page per warp and tile. Sequences through fc::seq_range (dense or varlen; the grid and the
+//   one page per warp and tile, the page ids read 32 at a time ahead of use (no window); paged
+//   splits without a window cut the table's key range p.sk. Sequences through fc::seq_range (dense or varlen; the grid and the
 //   partial layout use p.sq = max_seqlen_q, row blocks past a shorter sequence exit and the combine
 //   skips its rows).
 //   Empty rows (no visible key, e.g. causal sq > sk): O = 0, LSE = -inf.
@@ -210,6 +211,32 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
 
     const int r0 = rb * BM;
     if (r0 >= rows_total) return;  // a shorter sequence (varlen): the combine skips these rows
+    const bool paged = p.page_table != nullptr;
+    const bool fixed_splits = paged && MASK != 2;  // see `tps`
+    // Paged pools whose pages hold whole key tiles (page_size % BLOCK_N == 0): each warp keeps
+    // 32 consecutive page ids of its sequence from the split's first page on (lane l: page
+    // base + l), clamped into the pool, and reads the next 32 ahead (base + 32 + l); when its
+    // tiles pass base + 32 those take over and the next 32 are read, ~32 pages before use.
+    // (Session 15's lookup one tile ahead still stalled: a page-table read issued behind a
+    // tile's copies returns after them when DRAM is saturated, and b8 ran 0.94-0.95x the
+    // contiguous cache.) The first read does not wait for the sequence length (`fixed_splits`).
+    // Windowed kernels take the per-row path (with these registers d128 spilled 36-48 B).
+    const bool whole_pages = fixed_splits && p.page_size % BN == 0;
+    const int last_page = paged ? p.total_k / p.page_size - 1 : 0;
+    int pg_base = 0, pg_cur = 0, pg_nxt = 0;
+    auto read_pages = [&](int j) {  // page id j of the sequence (0 past the table's row)
+        return j < p.page_table_stride
+                   ? fc::clamp_i(__ldg(p.page_table + (int64_t)bb * p.page_table_stride + j), 0, last_page)
+                   : 0;
+    };
+    if (whole_pages) {
+        // the split's first page (its first tile as `tps` below, before any use of sk)
+        const int tps0 = ((p.sk + BN - 1) / BN + nsplit - 1) / nsplit;
+        pg_base = split * tps0 * (BN / 16) / (p.page_size / 16);
+        pg_cur = read_pages(pg_base + lane);
+        pg_nxt = read_pages(pg_base + 32 + lane);
+    }
+
     const int dch = p.d / 8;
     const int rows_here = min(BM, rows_total - r0);
     const int mtiles = (rows_here + 15) >> 4;
@@ -247,8 +274,13 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
     int t_lo = lo_cta / BN, t_hi = (hi_cta + BN - 1) / BN;
     if (hi_cta <= lo_cta) t_hi = t_lo;
-    const int tps = (t_hi - t_lo + nsplit - 1) / nsplit;
-    const int t_begin = min(t_lo + split * tps, t_hi);
+    // Splits of a paged cache without a window cut the grid's key range (p.sk = the table's
+    // width in keys, not this sequence's length): a split's first tile, and so its first pages,
+    // are known before the sequence length arrives (`pages` below). A shorter sequence leaves
+    // its last splits empty; the longest split is the same.
+    const int tps = ((fixed_splits ? (p.sk + BN - 1) / BN : t_hi - t_lo) + nsplit - 1) / nsplit;
+    const int t_first = t_lo + split * tps;  // fixed_splits: t_lo = 0
+    const int t_begin = min(t_first, t_hi);
     const int t_end = min(t_begin + tps, t_hi);
 
     // ---- per-thread rows (for masks): rows g8 and g8 + 8 of m-tile wm
@@ -268,7 +300,6 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     // ---- global pointers
     const T* qg = static_cast<const T*>(p.q) + (int64_t)bb * p.q_batch_stride + (int64_t)sr.q0 * p.q_row_stride;
     // paged (p.page_table): kg / vg are the head's base in the pools; rows through fc::paged_row
-    const bool paged = p.page_table != nullptr;
     const T* kg = static_cast<const T*>(p.k) + (int64_t)kvh * p.k_head_stride +
                   (paged ? 0 : (int64_t)bb * p.k_batch_stride + (int64_t)sr.k0 * p.k_row_stride);
     const T* vg = static_cast<const T*>(p.v) + (int64_t)kvh * p.v_head_stride +
@@ -305,12 +336,58 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             if (key < sk) page = fc::page_of(p, bb, key, slot);
         }
     };
+    // Pages of whole tiles: the element offsets of this thread's first K and V row of tile t
+    // (`ko`, `vo`, from the pools' head base kg / vg), advancing the warp's page ids as needed;
+    // those of the tile after the last one loaded are kept in nx_*.
+    int nx_t = -1;
+    int64_t nx_ko = 0, nx_vo = 0;
+    auto page_offsets = [&](int t, int64_t& ko, int64_t& vo) {
+        const int j = t * (BN / 16) / (p.page_size / 16);
+        while (j >= pg_base + 32) {  // tiles come in order (a page per tile at most)
+            pg_base += 32;
+            pg_cur = pg_nxt;
+            pg_nxt = read_pages(pg_base + 32 + lane);
+        }
+        const int64_t page = __shfl_sync(0xffffffffu, pg_cur, j - pg_base);  // j - pg_base < 32
+        const int slot = t * BN - j * p.page_size + tid / CPR;
+        ko = page * p.k_batch_stride + (int64_t)slot * ksr;
+        vo = page * p.v_batch_stride + (int64_t)slot * vsr;
+    };
     auto load_tile = [&](int t, int slot) {
         T* sK = sKV + slot * (2 * BN * D);
         T* sV = sK + BN * D;
         const int ch = tid % CPR;
         const int row0 = tid / CPR;
         const int key0 = t * BN + row0;
+        if (whole_pages) {
+            // The warp's rows follow each other in the tile's page (tiles start at multiples of
+            // BN), addressed as in the contiguous cache. Rows past the sequence: zero-filled.
+            constexpr int UNROLL = BN * CPR / THREADS > 8 ? 4 : BN * CPR / THREADS;  // as below
+            int64_t ko, vo;
+            if (nx_t == t) {
+                ko = nx_ko;
+                vo = nx_vo;
+            } else {
+                page_offsets(t, ko, vo);
+            }
+            const T* kp = kg + ko + ch * 8;
+            const T* vp = vg + vo + ch * 8;
+#pragma unroll UNROLL
+            for (int it = 0; it < BN * CPR / THREADS; ++it) {
+                const int row = row0 + it * (THREADS / CPR);
+                const bool ok = key0 + it * (THREADS / CPR) < sk && ch < dch;
+                const int64_t kr = (int64_t)it * (THREADS / CPR) * ksr;
+                const int64_t vr = (int64_t)it * (THREADS / CPR) * vsr;
+                cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), ok ? kp + kr : kg, ok);
+                cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), ok ? vp + vr : vg, ok);
+            }
+            // the next tile's rows, while these copies are in flight: its issue is then only
+            // the copies, as in the contiguous cache (the page arithmetic in front of every
+            // tile's copies lengthened each tile's round trip)
+            page_offsets(t + 1, nx_ko, nx_vo);
+            nx_t = t + 1;
+            return;
+        }
         if (paged) {
             // Every row through the page table (rows past the sequence: zero-filled). The warp's
             // rows of this tile (TPR per pass, ITERS passes: at most 32) get their page looked up
@@ -332,25 +409,6 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             }
             lookup(t + 1, pf_page, pf_slot);  // tiles load in order: the next call's
             pf_tile = t + 1;
-            if (p.page_size % BN == 0) {
-                // Pages of whole tiles (tiles start at multiples of BN): the warp's rows follow
-                // each other in the page of its first row (lane 0's lookup), addressed as in the
-                // contiguous cache. A warp whose first row is past the end loads nothing.
-                const int64_t page = __shfl_sync(0xffffffffu, my_page, 0);
-                const int slot = __shfl_sync(0xffffffffu, my_slot, 0) + lane / CPR;
-                const T* kp = kg + page * p.k_batch_stride + (int64_t)slot * ksr + ch * 8;
-                const T* vp = vg + page * p.v_batch_stride + (int64_t)slot * vsr + ch * 8;
-#pragma unroll UNROLL
-                for (int it = 0; it < ITERS; ++it) {
-                    const int row = row0 + it * (THREADS / CPR);
-                    const bool ok = key0 + it * (THREADS / CPR) < sk && ch < dch;
-                    const int64_t ko = (int64_t)it * (THREADS / CPR) * ksr;
-                    const int64_t vo = (int64_t)it * (THREADS / CPR) * vsr;
-                    cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), ok ? kp + ko : kg, ok);
-                    cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), ok ? vp + vo : vg, ok);
-                }
-                return;
-            }
 #pragma unroll UNROLL
             for (int it = 0; it < ITERS; ++it) {
                 const int row = row0 + it * (THREADS / CPR);
