@@ -52,8 +52,9 @@
 //   addresses 16-B aligned and their row/head/batch strides multiples of 8 elements; o base 16-B
 //   aligned and o strides multiples of 8 elements (TMA store, 16-byte zero stores); mask none or causal
 //   (window_left = -1, window_right in {-1, 0}); softcap == 0 and no ALiBi, or either for the
-//   FC_SM90_FWD_CAP twins (the score-modifier body); num_splits == 1. p.d <= HEAD_DIM: the maps'
-//   globalDim d = p.d, so TMA zero-fills the columns beyond it and the O store clips them.
+//   FC_SM90_FWD_CAP twins (the score-modifier body); num_splits == 1. p.d <= HEAD_DIM (the
+//   FC_SM90_FWD_NARROW twins: p.d <= DV): the maps' globalDim d = p.d, so TMA zero-fills the
+//   columns beyond it and the O store clips them.
 //   Varlen (p.cu_seqlens_q/k set, fc::seq_range): q/o maps over the packed (d, total_q, hq, 1)
 //   rows and k/v over (d, total_k, hkv, 1), batch coordinate 0; tiles past a shorter sequence are
 //   skipped by the scheduler; key rows past the sequence's end that a box reads are masked; O
