@@ -1,3 +1,4 @@
+#define FC_NO_SHARED_KERNELS  // fc_check_seqlens lives in harness.cu's translation unit
 #include "common/params.h"
 #include "sm80/fwd.cuh"
 #include "reg.h"

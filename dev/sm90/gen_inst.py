@@ -15,11 +15,13 @@ TY = {"bf16": "__nv_bfloat16", "f16": "__half"}
 for f in os.listdir("."):
     if f.startswith("inst_") and f.endswith(".cu"): os.remove(f)
 inc = []
-for (name, t, d, m, bm, bn, st, pp, main) in V:
+for i, (name, t, d, m, bm, bn, st, pp, main) in enumerate(V):
     warps = (bm // 64 + 1) * 4
     with open(f"inst_{name}.cu", "w") as f:
+        if i > 0:  # fc_check_seqlens (common/seqlens.cuh) lives in the first instance only
+            f.write("#define FC_NO_SHARED_KERNELS\n")
         f.write('#include "sm90/fwd.cuh"\n')
-        f.write(f"FC_SM90_FWD_EX({name}, {TY[t]}, {d}, {m}, {bm}, {bn}, {warps}, {st}, {'true' if pp else 'false'})\n")
+        f.write(f"FC_SM90_FWD_EX({name}, {TY[t]}, {d}, {m}, {bm}, {bn}, {warps}, {st}, {'true' if pp else 'false'}, false, {d})\n")
         f.write(f'extern "C" const void* get_{name}() {{ return (const void*){name}; }}\n')
     inc.append(f'KV("{name}", get_{name}, {1 if t=="bf16" else 0}, {d}, {m}, {bm}, {bn}, {st}, {pp}, {main})')
 with open("kernels.inc", "w") as f:

@@ -83,6 +83,7 @@ __device__ __forceinline__ float alibi_slope_units(const FcParams& p, int bi, in
 // the attention kernel on the same stream, so rows the attention could not place are NaN too.
 // Costs no host sync. Grid (b) with a page table, else (1); 256 threads. On sm_90 the host
 // launches it as a programmatic dependent (the tables are read before griddepcontrol.wait).
+#ifndef FC_NO_SHARED_KERNELS  // defined by dev/ harnesses whose other translation units hold it
 extern "C" __global__ void __launch_bounds__(256) fc_check_seqlens(const FcParams p, uint64_t n_o, uint64_t n_lse) {
     bool bad = false;
     if (p.page_table != nullptr) {
@@ -126,3 +127,4 @@ extern "C" __global__ void __launch_bounds__(256) fc_check_seqlens(const FcParam
     for (uint64_t i = threadIdx.x; i < n_o; i += blockDim.x) o[i] = 0x7FFF;
     for (uint64_t i = threadIdx.x; i < n_lse; i += blockDim.x) p.lse[i] = __int_as_float(0x7FC00000);
 }
+#endif  // FC_NO_SHARED_KERNELS
