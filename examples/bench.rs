@@ -102,12 +102,14 @@ fn to_pages(k: &Tensor, v: &Tensor, page_size: usize, seed: Option<u64>) -> Resu
     // pool page i holds logical page perm[i] (sequence perm[i] / mp, its page perm[i] % mp);
     // no seed: the identity
     let mut perm: Vec<u32> = (0..np as u32).collect();
-    let mut x = seed.unwrap_or(0) | 1;
-    for i in (1..if seed.is_some() { np } else { 0 }).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        perm.swap(i, (x % (i as u64 + 1)) as usize);
+    if let Some(seed) = seed {
+        let mut x = seed | 1;
+        for i in (1..np).rev() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            perm.swap(i, (x % (i as u64 + 1)) as usize);
+        }
     }
     let mut table = vec![0u32; np];
     for (i, &l) in perm.iter().enumerate() {
