@@ -22,7 +22,11 @@
 //     all rows empty).
 //   * p.softcap > 0 caps the scores (fc::softcap_tanh, common/softmax.cuh); p.alibi_slopes adds
 //     the ALiBi bias. Both run in the kernel's FWD_GEN body (the plain body has neither).
-//   * p.d <= HEAD_DIM, a multiple of 8: columns beyond p.d are zero-filled in shared memory.
+//   * p.d <= HEAD_DIM, a multiple of 8: columns beyond p.d are zero-filled in shared memory. A
+//     head at most 3/4 of HEAD_DIM wide (1/2 of 64) runs the FWD_NARROW body where the tile has
+//     one (fwd_narrow); it needs p.d > HEAD_DIM / 2 for HEAD_DIM >= 128 (the dispatcher's
+//     kernel_head_dim gives it), computes only the 16-column steps that hold p.d and never
+//     touches the columns past them.
 //   * Sequences through fc::seq_range (common/seqlens.cuh): dense, or varlen prefix sums (the
 //     grid's m blocks cover p.sq = max_seqlen_q; blocks past a shorter sequence exit).
 //     Split-KV fields are ignored (this kernel writes O and LSE directly).
@@ -113,14 +117,32 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
     return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
 }
 
+// Narrow head dims (the FWD_NARROW body, fwd_narrow): Q.K^T runs only the k16 steps that
+// hold columns below p.d, and P.V only the 16-column pairs of O below it, so a d96 head on the
+// d128 kernel does 3/4 of its MMAs and a d32 head on the d64 kernel half. The first
+// narrow_min_ksteps<D>() steps always run (no branch: the dispatcher gives a D >= 128 kernel only
+// heads wider than D / 2); every later step is one warp-uniform branch. Other bodies run all
+// D / 16 steps.
+template <int D>
+__host__ __device__ constexpr int narrow_min_ksteps() {
+    return D >= 128 ? D / 32 : 1;
+}
+// k16 steps (= 16-column pairs of O) the body computes for dch loaded 16-byte chunks.
+template <int D>
+__device__ __forceinline__ int narrow_ksteps(int dch) {
+    return max((dch + 1) >> 1, narrow_min_ksteps<D>());
+}
+
 // Async copy of a [NROWS][D] tile starting at global row pointer g (row stride in elements);
 // rows >= valid are zero-filled. ONE_REM: test rows against one remainder register (valid - r0)
 // instead of a row index per pass: for kernels whose key loop has no registers to spare (the
 // warp pairs); on the d64 128x64 tile it measured 1.4-2.7 % slower (session 4, call D).
-// Columns from dch 16-byte chunks on (a head dim below D) are zero-filled, never read.
+// Columns from dch 16-byte chunks on (a head dim below D) are zero-filled up to chunk dz (the
+// end of the last 16-column k-step a narrow body computes); chunks from dz on are not written.
 template <int NROWS, int D, int NTHREADS, bool ONE_REM = false, typename T>
 __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, int64_t stride,
-                                          int valid, int tid, int dch = D / 8) {
+                                          int valid, int tid, int dch = D / 8,
+                                          int dz = D / 8) {
     constexpr int CH = D / 8;
     constexpr int TOTAL = NROWS * CH;
     static_assert(NTHREADS % CH == 0, "threads must cover whole rows");
@@ -145,7 +167,7 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
             // (r & 7) changes between passes only when ROWS_PER_PASS % 8 != 0
             const uint32_t d = (ROWS_PER_PASS % 8 == 0) ? dst + i * ROWS_PER_PASS * (D * 2)
                                                         : s + swz<D>(r, ch);
-            cp_async16(d, ok ? (const void*)src : (const void*)g, ok ? 16 : 0);
+            if (ch < dz) cp_async16(d, ok ? (const void*)src : (const void*)g, ok ? 16 : 0);
         }
         src += step;
     }
@@ -175,7 +197,13 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //     launch (fwd_has_cap_body): a runtime branch per key tile inside one body cost the sm80
 //     forward 1 % without softcap (H100, sm_90 SASS, session 12), and the sequence ranges in
 //     registers made the d128 128x48 tile spill 32 B on sm_90 (session 13).
-enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16, FWD_GEN = 32 };
+//   FWD_NARROW (with FWD_GEN): the general body for heads at most 3/4 of D wide, 1/2 of the d64
+//     kernel's (fwd_narrow): Q.K^T and P.V skip the 16-column steps past p.d (narrow_ksteps). A
+//     third body, not a runtime bound inside the general one: there the per-step branches cost
+//     full-width varlen d128 12 % and softcap d128 5 % (H100, sm_90 SASS, session 18, call N1),
+//     and predicating the tail steps instead cost every general launch 25-40 % (call N2). The
+//     third body adds ~17 % to the sm80 family's compile time (127 -> 148 CPU-s here).
+enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16, FWD_GEN = 32, FWD_NARROW = 64 };
 
 __device__ __forceinline__ uint32_t launder32(uint32_t x) {
     asm volatile("mov.b32 %0, %1;" : "=r"(x) : "r"(x));
@@ -191,10 +219,12 @@ __device__ __forceinline__ uint32_t lane_addr(uint32_t base, const uint32_t (&of
 // S = Q K^T for one key tile (Q fragments re-read from shared memory per k-step).
 // KU: unroll factor of the k16 loop (KD = full; smaller bounds how far ptxas hoists the next
 // steps' ldmatrix loads, i.e. the registers they hold).
-template <typename T, int D, int MT, int NS, bool XA = false, int KU = D / 16>
+// NARROW: a narrow body (kd = narrow_ksteps k16 steps hold p.d's columns): the steps from
+// narrow_min_ksteps<D>() on run while kk < kd.
+template <typename T, int D, int MT, int NS, bool XA = false, int KU = D / 16, bool NARROW = false>
 __device__ __forceinline__ void qk_tile(float (&s)[MT][NS][4], uint32_t q_lane,
                                         const uint32_t (&q_off)[4], uint32_t k_base,
-                                        const uint32_t (&k_off)[4]) {
+                                        const uint32_t (&k_off)[4], int kd = D / 16) {
     constexpr int KD = D / 16;
     if (XA) {
         q_lane = launder32(q_lane);
@@ -208,6 +238,8 @@ __device__ __forceinline__ void qk_tile(float (&s)[MT][NS][4], uint32_t q_lane,
             for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
 #pragma unroll KU
     for (int kk = 0; kk < KD; ++kk) {
+        // a narrow body's tail steps: one warp-uniform branch each
+        if (NARROW && kk >= narrow_min_ksteps<D>() && kk >= kd) break;
         uint32_t a[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -386,11 +418,14 @@ __device__ __forceinline__ void pack_p(const float (&s)[MT][NS][4], int kk, uint
 }
 
 // O += P[:, key0 .. key0+15] V[key0 .. key0+15, :] for the ND n8 columns at v_base.
-template <typename T, int D, int MT, int ND, bool XA = false>
+// DMIN < ND / 2: a narrow body; the 16-column pairs from DMIN on run while dp < ndp.
+template <typename T, int D, int MT, int ND, bool XA = false, int DMIN = ND / 2>
 __device__ __forceinline__ void pv_k16(float (&o)[MT][ND][4], const uint32_t (&pa)[MT][4],
-                                       uint32_t v_base, const uint32_t (&v_off)[4], int key0) {
+                                       uint32_t v_base, const uint32_t (&v_off)[4], int key0,
+                                       int ndp = ND / 2) {
 #pragma unroll
     for (int dp = 0; dp < ND / 2; ++dp) {
+        if (dp >= DMIN && dp >= ndp) break;  // a narrow body's tail pairs
         uint32_t b[4];
         ldsm_x4_trans(b, lane_addr<XA>(v_base, v_off, dp & 3) + (key0 * (D * 2) + (dp >> 2) * 128));
 #pragma unroll
@@ -402,15 +437,17 @@ __device__ __forceinline__ void pv_k16(float (&o)[MT][ND][4], const uint32_t (&p
 }
 
 // O += P V, P straight from the S accumulators.
-template <typename T, int D, int MT, int NS, int ND, bool XA = false>
+template <typename T, int D, int MT, int NS, int ND, bool XA = false, bool NARROW = false>
 __device__ __forceinline__ void pv_tile(const float (&s)[MT][NS][4], float (&o)[MT][ND][4],
-                                        uint32_t v_base, const uint32_t (&v_off)[4]) {
+                                        uint32_t v_base, const uint32_t (&v_off)[4],
+                                        int ndp = ND / 2) {
     if (XA) v_base = launder32(v_base);
 #pragma unroll
     for (int kk = 0; kk < NS / 2; ++kk) {
         uint32_t pa[MT][4];
         pack_p<T>(s, kk, pa);
-        pv_k16<T, D, MT, ND, XA>(o, pa, v_base, v_off, kk * 16);
+        pv_k16<T, D, MT, ND, XA, NARROW ? narrow_min_ksteps<D>() : ND / 2>(o, pa, v_base, v_off,
+                                                                           kk * 16, ndp);
     }
 }
 
@@ -568,6 +605,11 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     }
     const int sq = t.sq, sk = t.sk;
     const int dch = GEN ? p.d / 8 : D / 8;
+    // k16 steps of Q.K^T and 16-column pairs of O (narrow_ksteps), and the 16-byte chunks of a
+    // row written to shared memory (FWD_NARROW; all of them otherwise).
+    constexpr bool NARROW = GEN && (OPT & FWD_NARROW) != 0;
+    const int kd = NARROW ? narrow_ksteps<D>(dch) : KD;
+    const int dz = 2 * kd;
     const int m0 = t.m0, rows_valid = t.rows_valid, n_min = t.n_min, n_max = t.n_max;
     const int wl = p.window_left, wr = p.window_right;
     const T* __restrict__ qg = t.qg;
@@ -577,14 +619,14 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     float* __restrict__ lseg = t.lseg;
 
     // Prologue: Q and the first (highest) key tile.
-    load_tile<BM, D, NTH>(sQ, qg, p.q_row_stride, rows_valid, tid, dch);
+    load_tile<BM, D, NTH>(sQ, qg, p.q_row_stride, rows_valid, tid, dch, dz);
     const int nb = n_max - 1;
     const int kv_valid = sk - nb * BN;
     load_tile<BN, D, NTH>(sK, kg + (int64_t)nb * BN * p.k_row_stride, p.k_row_stride, kv_valid,
-                          tid, dch);
+                          tid, dch, dz);
     if (STAGES == 2)
         load_tile<BN, D, NTH>(sV, vg + (int64_t)nb * BN * p.v_row_stride, p.v_row_stride,
-                              kv_valid, tid, dch);
+                              kv_valid, tid, dch, dz);
     cp_async_commit();
 
     // Per-lane ldmatrix geometry. Every tile row offset used below is a multiple of 8, so the
@@ -653,21 +695,21 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
                     using FT = FwdTile<T, MASK, BM, BN, GEN>;
                     load_tile<BN, D, NTH, true>(sK + off, FT::kv_tile_remat(p, p.k, p.k_batch_stride,
                                                     p.k_head_stride, p.k_row_stride, p.h_ratio, nn),
-                                                p.k_row_stride, sk - nn * BN, tid_remat(), dch);
+                                                p.k_row_stride, sk - nn * BN, tid_remat(), dch, dz);
                     load_tile<BN, D, NTH, true>(sV + off, FT::kv_tile_remat(p, p.v, p.v_batch_stride,
                                                     p.v_head_stride, p.v_row_stride, p.h_ratio, nn),
-                                                p.v_row_stride, sk - nn * BN, tid_remat(), dch);
+                                                p.v_row_stride, sk - nn * BN, tid_remat(), dch, dz);
                 } else {
                     load_tile<BN, D, NTH>(sK + off, kg + (int64_t)nn * BN * p.k_row_stride,
-                                          p.k_row_stride, sk - nn * BN, tid, dch);
+                                          p.k_row_stride, sk - nn * BN, tid, dch, dz);
                     load_tile<BN, D, NTH>(sV + off, vg + (int64_t)nn * BN * p.v_row_stride,
-                                          p.v_row_stride, sk - nn * BN, tid, dch);
+                                          p.v_row_stride, sk - nn * BN, tid, dch, dz);
                 }
                 cp_async_commit();
             }
         } else {
             load_tile<BN, D, NTH>(sV, vg + (int64_t)nb * BN * p.v_row_stride, p.v_row_stride,
-                                  sk - nb * BN, tid, dch);
+                                  sk - nb * BN, tid, dch, dz);
             cp_async_commit();
         }
         if (Q_IN_REGS && nb == n_max - 1) {
@@ -675,15 +717,16 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
             for (int mt = 0; mt < QREG_MT; ++mt)
 #pragma unroll
                 for (int kk = 0; kk < QREG_KD; ++kk)
-                    ldsm_x4(qr[mt][kk], q_lane + mt * 16 * (D * 2) + (kk >> 2) * 128 + q_off[kk & 3]);
+                    if (kk < narrow_min_ksteps<D>() || kk < kd)
+                        ldsm_x4(qr[mt][kk], q_lane + mt * 16 * (D * 2) + (kk >> 2) * 128 + q_off[kk & 3]);
         }
 
         // S = Q K^T, then -inf outside the visible band (ragged key tail, causal diagonal, window
         // edges) on the tiles that need it.
         float s[MT][NS][4];
         if constexpr (!Q_IN_REGS) {
-            qk_tile<T, D, MT, NS, XA>(s, XA ? q_lx : q_lane, q_off, sKs + (XA ? k_lx : k_lane_row),
-                                      k_off);
+            qk_tile<T, D, MT, NS, XA, KD, NARROW>(s, XA ? q_lx : q_lane, q_off,
+                                                  sKs + (XA ? k_lx : k_lane_row), k_off, kd);
         } else {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -693,6 +736,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
                     for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < KD; ++kk) {
+                if (NARROW && kk >= narrow_min_ksteps<D>() && kk >= kd) break;  // (qk_tile)
 #pragma unroll
                 for (int np = 0; np < NS / 2; ++np) {
                     uint32_t b[4];
@@ -715,7 +759,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
             if (nb > n_min) {
                 const int nn = nb - 1;
                 load_tile<BN, D, NTH>(sK, kg + (int64_t)nn * BN * p.k_row_stride, p.k_row_stride,
-                                      sk - nn * BN, tid, dch);
+                                      sk - nn * BN, tid, dch, dz);
                 cp_async_commit();
             }
         }
@@ -724,7 +768,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
         softmax_tile<(OPT & FWD_LAZY) != 0>(s, o, row_m, row_l, sl2);
 
         // O += P V, P straight from the S accumulators (C layout == A layout).
-        pv_tile<T, D, MT, NS, ND, XA>(s, o, sVs + (XA ? v_lx : v_lane_row), v_off);
+        pv_tile<T, D, MT, NS, ND, XA, NARROW>(s, o, sVs + (XA ? v_lx : v_lane_row), v_off, kd);
         if (STAGES == 2) stage ^= 1;
     }
 
@@ -1009,6 +1053,21 @@ __device__ __forceinline__ bool fwd_general(const FcParams& p, int D) {
 // beside a softcap body its plain body ran 2.5-4.7 % slower (H100, session 12), so softcap d128
 // without a mask takes the `_cap` twin of 128x32 (kernels/variants.rs `has_cap_body` mirrors this).
 __host__ __device__ constexpr bool fwd_has_cap_body(int D, int BN) { return !(D == 128 && BN == 48); }
+// Whether a kernel with a general body also holds a narrow one (FWD_NARROW): not the sliding
+// window tiles (a third body there costs build time for a rare combination), and not the
+// two-stage d256 tile of sm_86/89 (spilled 4-20 B with it); the warp pairs have none.
+__host__ __device__ constexpr bool fwd_has_narrow_body(int D, int MASK, int STAGES) {
+    return MASK != 2 && (D <= 128 || STAGES == 1);
+}
+// Whether a general launch takes the narrow body: the head leaves at least a quarter of the
+// kernel's 16-column steps unused (half of the d64 kernel's, which is less MMA-bound). H100,
+// forced sm80, bf16, fa3 grid, time of the general body ÷ the narrow one (session 18, calls N3
+// and N4): d80 / d96 on d128 1.160 / 1.048, d160 / d192 on d256 1.223 / 1.058, d32 on d64 1.080;
+// d112 (one step of eight saved) 0.935 and d48 on d64 0.898: the branches cost more than the
+// steps they save.
+__device__ __forceinline__ bool fwd_narrow(const FcParams& p, int D) {
+    return D == 64 ? 2 * p.d <= D : 4 * p.d <= 3 * D;
+}
 }  // namespace fc_sm80
 
 // Key-split warp pairs (fwd_body_pair; the variant table's `warp_pairs` entries).
@@ -1020,7 +1079,7 @@ __host__ __device__ constexpr bool fwd_has_cap_body(int D, int BN) { return !(D 
                     fc_sm80::fwd_default_opt(HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES))
 
 // OPT: bit mask of fc_sm80::FWD_LAZY / FWD_XADDR / FWD_PAIR / FWD_LEAN (1 / 4 / 8 / 16); 0 = the
-// plain schedule.
+// plain schedule. FWD_GEN / FWD_NARROW bodies are added here per launch (fwd_general, fwd_narrow).
 #define FC_SM80_FWD_OPT(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT)   \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32)                                 \
         SYMBOL(const __grid_constant__ FcParams p) {                                           \
@@ -1030,10 +1089,17 @@ __host__ __device__ constexpr bool fwd_has_cap_body(int D, int BN) { return !(D 
             else                                                                               \
                 fc_sm80::fwd_body_pair<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES>(p);  \
         } else if constexpr (fc_sm80::fwd_has_cap_body(HEAD_DIM, BLOCK_N)) {                     \
-            if (fc_sm80::fwd_general(p, HEAD_DIM))                                              \
+            if (fc_sm80::fwd_general(p, HEAD_DIM)) {                                            \
+                if constexpr (fc_sm80::fwd_has_narrow_body(HEAD_DIM, MASK_ID, STAGES)) {         \
+                    if (fc_sm80::fwd_narrow(p, HEAD_DIM)) {                                      \
+                        fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, \
+                                          (OPT) | fc_sm80::FWD_GEN | fc_sm80::FWD_NARROW>(p);   \
+                        return;                                                                \
+                    }                                                                          \
+                }                                                                              \
                 fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES,        \
                                   (OPT) | fc_sm80::FWD_GEN>(p);                                \
-            else                                                                               \
+            } else                                                                             \
                 fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT>(p); \
         } else {                                                                               \
             fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT>(p);   \
