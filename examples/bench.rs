@@ -54,7 +54,10 @@ struct Args {
     /// How a GPU case is timed. `flush` (default on CUDA): CUDA events around each call with a
     /// 256 MB L2 flush before it, median, the method of the SDPA anchor (triton do_bench); host
     /// work is hidden behind the flush. `batch`: host clock around back-to-back batches of calls,
-    /// median per call; includes per-call host work when it exceeds the kernel's time.
+    /// median per call; includes per-call host work when it exceeds the kernel's time. `host`
+    /// (CUDA): the host's time to issue one call (validation, dispatch, allocation, launches)
+    /// while the GPU is still busy with earlier work, median of batches; the kernels' time is
+    /// not in it.
     #[arg(long, default_value = "flush")]
     timing: String,
     /// Seconds of back-to-back calls before each `flush` timing, so that the case is timed at
@@ -307,6 +310,49 @@ fn time_it(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>) ->
         }
         sync(dev)?;
         times.push(t.elapsed().as_secs_f64() / per_batch as f64);
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Ok(times[times.len() / 2] * 1e6)
+}
+
+/// Median host time in microseconds to issue one call of `f` (`--timing host`): batches of calls
+/// issued behind ~4 ms of memsets on candle's stream, so that no call waits for the GPU; a batch
+/// during which the GPU ran dry (its marker event already complete when the batch ends) is an
+/// error rather than a number.
+#[cfg(feature = "cuda")]
+fn time_host(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+    let Device::Cuda(cd) = dev else {
+        bail!("--timing host needs a CUDA device")
+    };
+    let stream = cd.cuda_stream();
+    // SAFETY: the buffer is only ever memset.
+    let mut busy = unsafe { stream.alloc::<u8>(256 << 20) }?;
+    for i in 0..3 {
+        f(i)?;
+    }
+    stream.synchronize()?;
+    let per_batch = 32;
+    let mut times = Vec::with_capacity(reps);
+    let mut it = 0;
+    for _ in 0..reps.max(5) {
+        for _ in 0..48 {
+            stream.memset_zeros(&mut busy)?;
+        }
+        let marker = stream.record_event(None)?;
+        let t = Instant::now();
+        for _ in 0..per_batch {
+            f(it)?;
+            it += 1;
+        }
+        let host = t.elapsed().as_secs_f64();
+        if marker.try_is_complete()? {
+            bail!(
+                "--timing host: the GPU ran dry during a batch ({:.1} us per call): the memsets are too short for these calls",
+                host / per_batch as f64 * 1e6
+            );
+        }
+        stream.synchronize()?;
+        times.push(host / per_batch as f64);
     }
     times.sort_by(|a, b| a.partial_cmp(b).unwrap());
     Ok(times[times.len() / 2] * 1e6)
@@ -576,7 +622,9 @@ fn main() -> Result<()> {
                 #[cfg(feature = "cuda")]
                 ("flush", true) => time_events(&dev, args.reps, args.heat, call),
                 ("flush", _) | ("batch", _) => time_it(&dev, args.reps, call),
-                (t, _) => bail!("--timing must be flush or batch, got {t:?}"),
+                #[cfg(feature = "cuda")]
+                ("host", true) => time_host(&dev, args.reps, call),
+                (t, _) => bail!("--timing must be flush, batch or host (CUDA), got {t:?}"),
             };
             let (status, us, err) = match res {
                 Ok(us) => {
@@ -671,7 +719,9 @@ fn run_varlen(args: &Args, dev: &Device, dtype: DType, p: &Problem) -> Result<()
             #[cfg(feature = "cuda")]
             ("flush", true) => time_events(dev, args.reps, args.heat, call),
             ("flush", _) | ("batch", _) => time_it(dev, args.reps, call),
-            (t, _) => bail!("--timing must be flush or batch, got {t:?}"),
+            #[cfg(feature = "cuda")]
+            ("host", true) => time_host(dev, args.reps, call),
+            (t, _) => bail!("--timing must be flush, batch or host (CUDA), got {t:?}"),
         };
         let (status, us) = match res {
             Ok(us) => ("OK", us),
