@@ -246,6 +246,46 @@ fn short_d64_tiles_by_problem_size() -> Result<()> {
     Ok(())
 }
 
+/// The sm90 dynamic causal schedule draws its tiles from one counter per stream that each launch
+/// leaves at zero for the next (kernels/sm90/fwd.cuh `next_tile`): many causal launches of
+/// different tile counts back to back, each against the CPU reference with poisoned outputs (a
+/// counter left off zero skips tiles, which stay NaN). Other GPUs and families run the same
+/// problems, where the test checks only the results.
+#[test]
+fn dynamic_schedule_counter_across_launches() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let mut n = 0;
+    for round in 0..3 {
+        // (b, sq, hq, hkv, d): 1 to 32 query tiles per head, tile counts below and above the SMs
+        for (b, sq, hq, hkv, d) in [
+            (1, 100, 2, 1, 64),
+            (2, 1000, 8, 2, 128),
+            (1, 4096, 4, 4, 128),
+            (3, 513, 16, 4, 64),
+            (1, 200, 1, 1, 128),
+            (2, 700, 12, 3, 256),
+        ] {
+            let c = Case {
+                b,
+                sq,
+                sk: sq + 17 * round,
+                hq,
+                hkv,
+                d,
+                dtype: if n % 2 == 0 { DType::BF16 } else { DType::F16 },
+                mask: Mask::Causal,
+                strided: false,
+            };
+            let (e, ne, kernel) = check(&dev, &c)?;
+            println!("[OK] {c}: err {e:.2e} (naive {ne:.2e}) {kernel}");
+            n += 1;
+        }
+    }
+    println!("dynamic_schedule_counter_across_launches: {n} launches passed");
+    Ok(())
+}
+
 /// The sm90 narrow twins (d32 on the d64 tiles, d96 on d128, d160 and d192 on d256) on every
 /// tile they have, causal and not, at the twin's width, below it and just above it (the next
 /// twin or the full kernel then): the 2x naive-error rule, and on sm90 the kernel chosen.

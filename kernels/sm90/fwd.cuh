@@ -26,7 +26,7 @@
 //         one CTA per tile is grid (ceil(sq/BLOCK_M), hq, b), persistent is grid (min(tiles, #SMs), 1, 1)
 //         (it overlaps one tile's epilogue with the next tile's loads: use it for no mask).
 //         Dynamic schedule (DYN kernels: causal d64/d128, causal d256 with 64-key tiles;
-//         p.tile_counter -> a zeroed int32, grid
+//         p.tile_counter -> a zeroed int32 (left zeroed: the host keeps one per stream), grid
 //         (min(tiles, #SMs), 1, 1)): CTA i starts with tile i, then a scheduler thread (warp 1 of the
 //         producer warpgroup) draws nctas + atomicAdd(counter, 1) whenever a slot of a 2-slot mbarrier
 //         ring in smem is free, and publishes the decoded tile to the TMA thread and the consumers.
@@ -174,6 +174,15 @@ struct FwdSm90 {
     using QK = Wgmma<BN, BF>;
     using PV = Wgmma<DV, BF>;
 
+    // Dynamic schedule: the next tile from p.tile_counter, or total when none is left. Draws are
+    // handed out in order and every CTA stops at its first draw past the tiles, so the draw of
+    // value total - 1 is the launch's last: it puts the counter back to zero for the next launch
+    // on the stream (one counter per stream, never re-zeroed by the host).
+    __device__ static __forceinline__ int next_tile(const FcParams& p, int nctas, int total) {
+        const unsigned v = atomicAdd(reinterpret_cast<unsigned*>(p.tile_counter), 1u);
+        if (v == (unsigned)(total - 1)) atomicExch(p.tile_counter, 0);
+        return v < (unsigned)(total - nctas) ? nctas + (int)v : total;
+    }
     // Tile lin (0 <= lin < num_m * hq * b) -> (m_block, h, bi). Non-causal: m fastest (CTAs in flight
     // share K/V). Causal: longest query tiles first within groups of G (batch, head) pairs whose K and V
     // fit in ~24 MB of L2; a smaller remainder group goes first so the last group is a full one.
@@ -303,8 +312,7 @@ struct FwdSm90 {
                 // scheduler thread (warp 1): tile `cta` first, then whatever the counter hands out
                 // (decode_tile: longest first), as soon as a ring slot is free. Without a counter:
                 // round robin over the grid (one CTA per tile: tile `cta` only).
-                for (int lin = cta; lin < total;
-                     lin = p.tile_counter ? nctas + atomicAdd(p.tile_counter, 1) : lin + nctas) {
+                for (int lin = cta; lin < total; lin = p.tile_counter ? next_tile(p, nctas, total) : lin + nctas) {
                     int m_block, h, bi;
                     decode_tile(p, num_m, lin, m_block, h, bi);
                     const fc::SeqRange sr = fc::seq_range(p, bi);

@@ -10,17 +10,25 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 type Key = (usize, String);
 
+/// A problem's shape in error messages: formatted only when an error is built (the launch path
+/// formats nothing on success).
+pub(crate) type Shape<'a> = &'a dyn std::fmt::Display;
+
 fn modules() -> &'static Mutex<HashMap<Key, Arc<CudaModule>>> {
     static M: OnceLock<Mutex<HashMap<Key, Arc<CudaModule>>>> = OnceLock::new();
     M.get_or_init(Default::default)
 }
 
-fn functions() -> &'static Mutex<HashMap<Key, (CudaFunction, u32)>> {
-    static F: OnceLock<Mutex<HashMap<Key, (CudaFunction, u32)>>> = OnceLock::new();
+/// Loaded functions and their dynamic shared memory limits, per device ordinal, by symbol (looked
+/// up by `&str`: no allocation per launch).
+type Functions = HashMap<usize, HashMap<String, (CudaFunction, u32)>>;
+
+fn functions() -> &'static Mutex<Functions> {
+    static F: OnceLock<Mutex<Functions>> = OnceLock::new();
     F.get_or_init(Default::default)
 }
 
-pub(crate) fn err(kernel: &str, shape: &str, what: impl std::fmt::Display) -> candle_core::Error {
+pub(crate) fn err(kernel: &str, shape: Shape, what: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(format!("flashcore: CUDA kernel {kernel} [{shape}]: {what}"))
 }
 
@@ -31,13 +39,12 @@ pub(crate) fn function(
     family: &str,
     symbol: &str,
     smem: u32,
-    shape: &str,
+    shape: Shape,
 ) -> candle_core::Result<CudaFunction> {
     let ctx = stream.context();
     let ordinal = ctx.ordinal();
-    let fkey = (ordinal, symbol.to_string());
     let mut fns = functions().lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((f, limit)) = fns.get_mut(&fkey) {
+    if let Some((f, limit)) = fns.get_mut(&ordinal).and_then(|m| m.get_mut(symbol)) {
         if *limit < smem {
             raise_smem(ctx, f, smem, symbol, shape)?;
             *limit = smem;
@@ -69,7 +76,9 @@ pub(crate) fn function(
     if smem > 48 * 1024 {
         raise_smem(ctx, &f, smem, symbol, shape)?;
     }
-    fns.insert(fkey, (f.clone(), smem.max(48 * 1024)));
+    fns.entry(ordinal)
+        .or_default()
+        .insert(symbol.to_string(), (f.clone(), smem.max(48 * 1024)));
     Ok(f)
 }
 
@@ -95,7 +104,7 @@ fn raise_smem(
     f: &CudaFunction,
     smem: u32,
     symbol: &str,
-    shape: &str,
+    shape: Shape,
 ) -> candle_core::Result<()> {
     use cudarc::driver::sys::CUdevice_attribute as DevAttr;
     let optin = ctx
@@ -135,7 +144,7 @@ pub(crate) fn launch_params(
     cfg: LaunchConfig,
     params: &FcParams,
     kernel: &str,
-    shape: &str,
+    shape: Shape,
 ) -> candle_core::Result<()> {
     let mut b = stream.launch_builder(f);
     b.arg(params);
@@ -149,7 +158,7 @@ pub(crate) fn launch_params(
 /// `what` plus the launch geometry (and `how`, e.g. the launch kind), as a kernel error.
 fn launch_err(
     kernel: &str,
-    shape: &str,
+    shape: Shape,
     cfg: &LaunchConfig,
     how: &str,
     what: String,
@@ -174,7 +183,7 @@ pub(crate) fn launch_params_pdl(
     cfg: LaunchConfig,
     params: &FcParams,
     kernel: &str,
-    shape: &str,
+    shape: Shape,
 ) -> candle_core::Result<()> {
     let mut args = [params as *const FcParams as *mut std::ffi::c_void];
     // SAFETY: the kernel's signature is `(const FcParams)`; `args` holds one pointer to it, alive
@@ -194,7 +203,7 @@ pub(crate) unsafe fn launch_pdl(
     cfg: LaunchConfig,
     args: &mut [*mut std::ffi::c_void],
     kernel: &str,
-    shape: &str,
+    shape: Shape,
 ) -> candle_core::Result<()> {
     use cudarc::driver::sys;
     let fail =
@@ -237,7 +246,7 @@ pub(crate) unsafe fn launch_pdl(
 pub(crate) fn check_sync(
     stream: &Arc<CudaStream>,
     kernel: &str,
-    shape: &str,
+    shape: Shape,
 ) -> candle_core::Result<()> {
     static SYNC: OnceLock<bool> = OnceLock::new();
     if *SYNC.get_or_init(|| std::env::var_os("FLASHCORE_SYNC").is_some_and(|v| v != "0")) {

@@ -163,6 +163,25 @@ fn shape_str(p: &Problem) -> String {
     )
 }
 
+/// A problem's shape in error messages ([`shape_str`]), formatted only when an error is built.
+#[derive(Clone, Copy)]
+struct ShapeOf<'a>(&'a Problem);
+
+impl std::fmt::Display for ShapeOf<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&shape_str(self.0))
+    }
+}
+
+/// Text built by a closure when displayed (lazy error context).
+struct Fmt<F>(F);
+
+impl<F: Fn(&mut std::fmt::Formatter<'_>) -> std::fmt::Result> std::fmt::Display for Fmt<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        (self.0)(f)
+    }
+}
+
 /// The compiled head dim a problem's head dim runs on: the smallest of 64, 128, 256 that holds
 /// it (the kernels zero-fill the columns beyond `p.d` in shared memory and never store them).
 pub fn kernel_head_dim(d: usize) -> u32 {
@@ -256,10 +275,10 @@ fn starves(v: &Variant, p: &Problem, sms: usize) -> bool {
 fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
     let arch = arch::select(info.major, info.minor)?;
     let smem = smem_budget(info)?;
-    let shape = shape_str(p);
     let unsupported = |what: String| {
         candle_core::Error::Msg(format!(
-            "flashcore: no CUDA kernel for {what} yet [{shape}]; use the CPU path (tensors on Device::Cpu) or drop the option"
+            "flashcore: no CUDA kernel for {what} yet [{}]; use the CPU path (tensors on Device::Cpu) or drop the option",
+            shape_str(p)
         ))
     };
     let dtype = match p.dtype {
@@ -354,7 +373,7 @@ fn ptr<T: candle_core::cuda_backend::CudaDType>(
 fn alloc_out<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr>(
     dev: &CudaDevice,
     n: usize,
-    shape: &str,
+    shape: launch::Shape,
 ) -> Result<CudaSlice<T>> {
     // SAFETY: every element is written by the kernel (tests check it with poisoned buffers).
     unsafe { dev.cuda_stream().alloc::<T>(n) }.map_err(|e| {
@@ -411,9 +430,9 @@ fn decode(
     variant: &Variant,
     mut prm: FcParams,
     f: &cudarc::driver::CudaFunction,
-    shape: &str,
+    shape: launch::Shape,
 ) -> Result<()> {
-    let symbol = variant.symbol();
+    let symbol = variants::symbol(variant);
     let stream = dev.cuda_stream();
     let info = device_info(dev)?;
     let sms = info.sm_count;
@@ -457,8 +476,7 @@ fn decode(
     prm.o_partial = opp;
     prm.lse_partial = lpp;
     launch::launch_params(&stream, f, cfg, &prm, &symbol, shape)?;
-    let dtype = variant.dtype;
-    let csym = variants::combine_symbol(variant.family, dtype, variant.head_dim);
+    let csym = variants::combine_symbol_of(variant);
     let cf = launch::function(&stream, variant.family, &csym, 0, shape)?;
     let rows = p.b * p.hq * p.sq;
     let ccfg = LaunchConfig {
@@ -466,7 +484,7 @@ fn decode(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let cshape = format!("{shape} splits={splits}");
+    let cshape = Fmt(|f: &mut std::fmt::Formatter<'_>| write!(f, "{shape} splits={splits}"));
     // On 9.x the fatbin's sm_90 SASS runs, whose combine waits with griddepcontrol.wait: launch it
     // as a programmatic dependent so it is scheduled while the split grid drains. Elsewhere
     // (sm_8x SASS, or PTX JIT-compiled for a newer GPU) the wait is compiled out: plain launch.
@@ -526,8 +544,8 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
-    let shape = shape_str(p);
-    let symbol = variant.symbol();
+    let shape = ShapeOf(p);
+    let symbol = variants::symbol(variant);
     let stream = dev.cuda_stream();
     for (name, l) in [("q", q.1), ("k", k.1), ("v", v.1)] {
         // The kernels load 16-byte vectors: op::run makes misaligned views contiguous first.
@@ -675,7 +693,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         (p, variant, prm)
     };
     let (kp, vp) = (prm.k, prm.v);
-    let symbol = variant.symbol();
+    let symbol = variants::symbol(variant);
     let smem = variant.smem_bytes();
     let f = launch::function(&stream, variant.family, &symbol, smem, &shape)?;
     match variant.kind {
@@ -730,29 +748,14 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
             let tiles = m_blocks * p.hq * p.b;
             // Persistent grid (one CTA per SM looping over tiles). Equal tiles (no mask) take the
             // kernel's static round-robin schedule. Causal problems on a dynamic-schedule kernel
-            // draw their tiles from a zeroed counter, longest first (`sm90_dynamic`). Other
-            // causal problems: persistent up to 8 query blocks, else one CTA per tile, the
-            // hardware balancing the unequal tiles (persistent again when heads or batch exceed
-            // the grid's y / z limit). FLASHCORE_SM90_CAUSAL=static turns the dynamic schedule
-            // off (an A/B aid). A grid that does not match the kernel's schedule is slower, never
-            // wrong.
+            // draw their tiles from the stream's counter, longest first (`sm90_dynamic`,
+            // `tile_counter`). Other causal problems: persistent up to 8 query blocks, else one
+            // CTA per tile, the hardware balancing the unequal tiles (persistent again when heads
+            // or batch exceed the grid's y / z limit). FLASHCORE_SM90_CAUSAL=static turns the
+            // dynamic schedule off (an A/B aid). A grid that does not match the kernel's schedule
+            // is slower, never wrong.
             let sms = device_info(dev)?.sm_count.max(1);
             let dynamic = sm90_dynamic(variant, p.mask, m_blocks) && !causal_static();
-            let _counter: Option<CudaSlice<i32>>;
-            let grid = if dynamic {
-                let c = stream.alloc_zeros::<i32>(1).map_err(|e| {
-                    launch::err(&symbol, &shape, format!("allocating the tile counter: {e}"))
-                })?;
-                prm.tile_counter = c.device_ptr(&stream).0;
-                _counter = Some(c);
-                (tiles.min(sms) as u32, 1, 1)
-            } else if p.mask == Mask::None || m_blocks <= 8 || p.hq > GRID_YZ || p.b > GRID_YZ {
-                _counter = None;
-                (tiles.min(sms) as u32, 1, 1)
-            } else {
-                _counter = None;
-                (m_blocks as u32, p.hq as u32, p.b as u32)
-            };
             if tiles > i32::MAX as usize {
                 return Err(launch::err(
                     &symbol,
@@ -760,6 +763,16 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
                     format!("{tiles} query tiles: more than 2^31 - 1"),
                 ));
             }
+            let grid = if dynamic {
+                prm.tile_counter = tile_counter(&stream).map_err(|e| {
+                    launch::err(&symbol, &shape, format!("allocating the tile counter: {e}"))
+                })?;
+                (tiles.min(sms) as u32, 1, 1)
+            } else if p.mask == Mask::None || m_blocks <= 8 || p.hq > GRID_YZ || p.b > GRID_YZ {
+                (tiles.min(sms) as u32, 1, 1)
+            } else {
+                (m_blocks as u32, p.hq as u32, p.b as u32)
+            };
             let cfg = LaunchConfig {
                 grid_dim: grid,
                 block_dim: (variant.threads(), 1, 1),
@@ -795,6 +808,31 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     ))
 }
 
+/// The device address of `stream`'s tile counter for the sm90 dynamic schedule, allocated and
+/// zeroed on the stream's first dynamic launch and kept for the process's life. Each launch
+/// leaves it at zero again (the CTA that makes the launch's last draw resets it,
+/// kernels/sm90/fwd.cuh), and kernels on one stream run one after another, so no launch pays an
+/// allocation and a memset for a fresh counter (3.8 us of host time per call on the H100
+/// machine's host, session 18), and a replayed CUDA graph finds it zeroed too. Keyed by stream
+/// handle: an entry keeps its stream alive, so a handle is never reused while it is in the map.
+fn tile_counter(
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+) -> std::result::Result<u64, cudarc::driver::DriverError> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static C: OnceLock<Mutex<HashMap<usize, CudaSlice<i32>>>> = OnceLock::new();
+    let mut map = C
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let counter = match map.entry(stream.cu_stream() as usize) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(stream.alloc_zeros::<i32>(1)?),
+    };
+    let ptr = counter.device_ptr(stream).0;
+    Ok(ptr)
+}
+
 /// The sm80 forward: grid (query blocks, heads, batch) without a mask, (heads, query blocks,
 /// batch) with one (the kernels walk the query blocks heaviest first). Grids past the y / z limit
 /// fold into several launches over slices of the batch and, without a mask, of the heads (whole
@@ -807,7 +845,7 @@ fn sm80_fwd(
     f: &cudarc::driver::CudaFunction,
     stream: &std::sync::Arc<cudarc::driver::CudaStream>,
     symbol: &str,
-    shape: &str,
+    shape: launch::Shape,
 ) -> Result<()> {
     let m_blocks = p.sq.div_ceil(variant.block_m as usize);
     let masked = variant.mask != KMask::None;
@@ -876,7 +914,7 @@ fn check_seqlens(
     prm: &FcParams,
     n_o: usize,
     n_lse: usize,
-    shape: &str,
+    shape: launch::Shape,
     pdl: bool,
 ) -> Result<()> {
     let sym = "fc_check_seqlens";
@@ -918,7 +956,7 @@ fn gather_paged<T: candle_core::cuda_backend::CudaDType + cudarc::driver::Device
     dev: &CudaDevice,
     p: &Problem,
     prm: FcParams,
-    shape: &str,
+    shape: launch::Shape,
 ) -> Result<(Problem, FcParams, Scratch<T>)> {
     let sym = "fc_gather_paged";
     let stream = dev.cuda_stream();
@@ -1010,10 +1048,13 @@ pub(crate) fn append_paged(
     name: &str,
 ) -> Result<()> {
     let sym = "fc_append_paged";
-    let shape = format!(
-        "{name}: {} new rows into {} pages of {} x {} x {}, batch {}",
-        a.total, a.num_pages, a.page_size, a.hkv, a.d, a.b
-    );
+    let shape = Fmt(|f: &mut std::fmt::Formatter<'_>| {
+        write!(
+            f,
+            "{name}: {} new rows into {} pages of {} x {} x {}, batch {}",
+            a.total, a.num_pages, a.page_size, a.hkv, a.d, a.b
+        )
+    });
     if a.total == 0 {
         return Ok(());
     }
