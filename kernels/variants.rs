@@ -99,6 +99,8 @@ pub struct Variant {
     /// and stores only `narrow` columns (Q·Kᵀ over narrow / 16 k-steps, P·V and O `narrow` wide):
     /// d32 on the d64 tiles, d96 on d128, d160 and d192 on d256. The dispatcher gives it the head
     /// dims up to `narrow` that no narrower entry before it took; the kernel stays full width.
+    /// (The sm80 forward kernels need no twins: their narrow body is chosen inside the kernel per
+    /// launch, `FWD_NARROW` / `fwd_narrow` in kernels/sm80/fwd.cuh.)
     pub narrow: u32,
 }
 

@@ -183,7 +183,8 @@ impl<F: Fn(&mut std::fmt::Formatter<'_>) -> std::fmt::Result> std::fmt::Display 
 }
 
 /// The compiled head dim a problem's head dim runs on: the smallest of 64, 128, 256 that holds
-/// it (the kernels zero-fill the columns beyond `p.d` in shared memory and never store them).
+/// it (the kernels zero-fill the columns beyond `p.d` in shared memory and never store them; the
+/// sm90 narrow twins and the sm80 narrow bodies also skip the 16-column steps past `p.d`).
 pub fn kernel_head_dim(d: usize) -> u32 {
     match d {
         0..=64 => 64,
