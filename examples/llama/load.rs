@@ -107,6 +107,12 @@ pub struct RunArgs {
     /// Nucleus sampling threshold (with --temperature > 0).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f64,
+    /// Keep candle's CUDA allocation defaults. Otherwise (these examples run on one stream) the
+    /// device's tensors skip cudarc's cross-stream events (two created per allocation, one
+    /// recorded per use) and freed memory stays in the stream-ordered pool instead of being
+    /// returned to the driver at every synchronisation.
+    #[arg(long)]
+    pub cuda_defaults: bool,
 }
 
 impl RunArgs {
@@ -129,8 +135,44 @@ impl RunArgs {
         if !device.is_cpu() {
             device.set_seed(self.seed)?;
         }
+        #[cfg(feature = "cuda")]
+        if let (Device::Cuda(cuda), false) = (&device, self.cuda_defaults) {
+            one_stream_allocator(cuda)?;
+        }
         Ok((device, dtype))
     }
+}
+
+/// Host work per CUDA allocation and use for a process that runs on one stream: no cudarc
+/// events (candle's `disable_event_tracking`: they order uses across streams, and every tensor
+/// here lives on the device's one stream) and a stream-ordered pool that keeps freed memory
+/// (release threshold u64::MAX) rather than unmapping it at each synchronisation and mapping it
+/// again on the next allocations.
+#[cfg(feature = "cuda")]
+fn one_stream_allocator(cuda: &candle_core::CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    // SAFETY: every tensor of these examples is created and used on the device's one stream.
+    unsafe { cuda.disable_event_tracking() };
+    let dev = cuda.cuda_stream().context().cu_device();
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    // SAFETY: `pool` receives the device's default pool handle; the threshold is a u64 read by
+    // the call.
+    unsafe {
+        let r = sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), dev);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            anyhow::bail!("cuDeviceGetDefaultMemPool failed: {r:?}");
+        }
+        let mut threshold = u64::MAX;
+        let r = sys::cuMemPoolSetAttribute(
+            pool.assume_init(),
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        );
+        if r != sys::CUresult::CUDA_SUCCESS {
+            anyhow::bail!("setting the memory pool's release threshold failed: {r:?}");
+        }
+    }
+    Ok(())
 }
 
 #[derive(Clone, Debug)]
