@@ -289,6 +289,12 @@ fn sync(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// The median of a non-empty list of timings (the upper one of an even count).
+fn median(mut times: Vec<f64>) -> f64 {
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
 /// Median time in microseconds of `f` over `reps` timed batches after warm-up; each batch runs
 /// enough calls to last ~20 ms and rotates among the input sets.
 fn time_it(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
@@ -311,8 +317,7 @@ fn time_it(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>) ->
         sync(dev)?;
         times.push(t.elapsed().as_secs_f64() / per_batch as f64);
     }
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Ok(times[times.len() / 2] * 1e6)
+    Ok(median(times) * 1e6)
 }
 
 /// Median host time in microseconds to issue one call of `f` (`--timing host`): batches of calls
@@ -354,8 +359,7 @@ fn time_host(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>) 
         stream.synchronize()?;
         times.push(host / per_batch as f64);
     }
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Ok(times[times.len() / 2] * 1e6)
+    Ok(median(times) * 1e6)
 }
 
 /// Median time in microseconds of one call of `f`, timed with CUDA events on candle's stream,
@@ -410,12 +414,11 @@ fn time_events(
         it += 1;
         pending.push((start, stream.record_event(timing)?));
     }
-    let mut times = pending
+    let times = pending
         .iter()
         .map(|(s, e)| Ok(s.elapsed_ms(e)? as f64 * 1e3))
         .collect::<Result<Vec<f64>>>()?;
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Ok(times[times.len() / 2])
+    Ok(median(times))
 }
 
 fn main() -> Result<()> {
