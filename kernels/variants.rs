@@ -172,17 +172,20 @@ impl Variant {
     }
     /// Rows per TMA box when this kernel reads a paged K/V pool of `page_size`-row pages through
     /// the page table, or `None` when the pages are gathered into dense scratch first. sm90
-    /// forward kernels (but the dynamic-schedule tiles with three consumer warpgroups, whose
-    /// producer has no room for the page walk: `FwdSm90::PAGED`, kernels/sm90/fwd.cuh) on
-    /// power-of-two pages; a box is min(page_size, the largest power of two dividing block_n)
-    /// rows, each inside one page. Used from 64-row boxes: 16-row boxes (pages of 16) ran 1.4-1.8x
-    /// slower than gathering on the H100 (session 15), 64 rows and up 0.96-1.00x the contiguous
-    /// cache; 32 was not measured.
+    /// forward kernels (but the dynamic-schedule tiles with three consumer warpgroups and the
+    /// four-warpgroup tiles, whose producers have no room for the page walk: `FwdSm90::PAGED`,
+    /// kernels/sm90/fwd.cuh) on power-of-two pages; a box is min(page_size, the largest power of
+    /// two dividing block_n) rows, each inside one page, the boxes of a tile issued by one lane of
+    /// the TMA warp each. From 32-row boxes (H100, session 19, docs/perf.md): chunked prefill at
+    /// pages of 32 runs 0.95-0.98x the contiguous cache (gathered: 0.79-0.96x); 16-row boxes run
+    /// 0.80-0.87x, about what gathering costs (the TMA unit takes about as long for a 2 KB box as
+    /// for an 8 KB one), so pages of 16 are gathered.
     pub const fn page_box(&self, page_size: usize) -> Option<u32> {
         let three_dyn = self.block_m == 192
             && matches!(self.mask, KMask::Causal)
             && (self.head_dim <= 128 || self.block_n == 64);
-        if !self.is_family("sm90") || !matches!(self.kind, KKind::Fwd) || three_dyn {
+        let four = self.block_m == 256;
+        if !self.is_family("sm90") || !matches!(self.kind, KKind::Fwd) || three_dyn || four {
             return None;
         }
         if !page_size.is_power_of_two() {
@@ -191,7 +194,7 @@ impl Variant {
         let bn = self.block_n as usize;
         let pow2 = bn & bn.wrapping_neg();
         let rows = if page_size < pow2 { page_size } else { pow2 };
-        if rows >= 64 {
+        if rows >= 32 {
             Some(rows as u32)
         } else {
             None

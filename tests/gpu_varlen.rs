@@ -916,12 +916,13 @@ fn paged_attention() -> Result<()> {
 }
 
 /// Prefill over a paged pool: on sm90 read by the kernels through the page table where
-/// `Variant::page_box` allows (pages of 64 to 256 here; box by box, the rows of the last tile
-/// past each sequence's end zeroed in shared memory), gathered for pages of 16 and 32. The
-/// pools' unused rows are NaN, so a box or a V row read wrongly shows. Ragged lengths (1023, 4097),
-/// a shared prefix, sequences without queries or keys, GQA 1/4/8, causal and no mask (the sm90
-/// kernels' masks), d64 beyond 1k query rows (the 192-row causal tile gathers instead), both
-/// dtypes. On sm80 (forced) the same problems take the gather path.
+/// `Variant::page_box` allows (pages of 32 to 256 here; box by box, one box per lane of the TMA
+/// warp, the rows of the last tile past each sequence's end zeroed in shared memory), gathered
+/// for pages of 16. The pools' unused rows are NaN, so a box or a V row read wrongly shows.
+/// Ragged lengths (1023, 4097), a shared prefix, sequences without queries or keys, GQA 1/4/8,
+/// causal and no mask (the sm90 kernels' masks), d64 beyond 1k query rows (the 192-row causal
+/// tile gathers instead), d96 / d160 (narrow twins), both dtypes. On sm80 (forced) the same
+/// problems take the gather path.
 #[test]
 fn paged_prefill_through_the_page_table() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -956,6 +957,11 @@ fn paged_prefill_through_the_page_table() -> Result<()> {
         (64, 64, (32, 8), Mask::Causal, DType::BF16, &long_d64),
         (64, 128, (32, 8), Mask::Causal, DType::BF16, &equal_q),
         (16, 64, (8, 8), Mask::None, DType::F16, &equal_q),
+        (32, 128, (32, 8), Mask::Causal, DType::F16, &lens),
+        (32, 96, (8, 8), Mask::Causal, DType::BF16, &lens),
+        (32, 160, (8, 2), Mask::Causal, DType::BF16, &lens),
+        (32, 256, (16, 16), Mask::Causal, DType::BF16, &lens),
+        (32, 64, (32, 8), Mask::Causal, DType::F16, &long_d64),
     ];
     for (page_size, d, (hq, hkv), mask, dtype, lens) in cases {
         let vl = Varlen::random(lens, hq, hkv, d, dtype, false, &dev)?;

@@ -1,6 +1,6 @@
 // flashcore sm_90a forward attention: FA3-style warp specialization (own code).
 //
-// CTA = 1 producer warpgroup (warp 0 lane 0 issues TMA; setmaxnreg.dec) + BLOCK_M/64 consumer
+// CTA = 1 producer warpgroup (warp 0 issues TMA; setmaxnreg.dec) + BLOCK_M/64 consumer
 // warpgroups (setmaxnreg.inc), each owning 64 query rows. Q is loaded once (TMA, SW128), K and V
 // stream through a STAGES-deep ring of full/empty mbarriers, key tiles are walked from the last
 // (masked) one down to 0. Per consumer: S = Q K^T with SS wgmma (K-major, SW128), online softmax in
@@ -153,8 +153,10 @@ struct FwdSm90 {
                   "setmaxnreg split over the CTA's register pool (the consumers' inc would hang)");
     // Paged K/V read through the page table (`load_tile`): every kernel but the dynamic-schedule
     // ones with three consumer warpgroups (d64 causal 192x128), whose 32-register producer spills
-    // 44 B with the page walk; the host gathers for those (`Variant::reads_pages`, kernels/variants.rs).
-    static constexpr bool PAGED = !(NC == 3 && DYN);
+    // 44 B with the page walk, and the four-warpgroup tiles (d64 256x64), whose 32-register
+    // producer spilled 4 B with the TMA warp's per-lane boxes; the host gathers for those
+    // (`Variant::page_box`, kernels/variants.rs).
+    static constexpr bool PAGED = !(NC == 3 && DYN) && NC != 4;
     static constexpr int BAR_SCHED = 1;            // named barriers 1..NC: ping-pong
     static constexpr int BAR_EPI = 1 + NC;         // named barriers NC+1..2NC: per-WG epilogue
     static constexpr bool BF = TypeInfo<T>::bf16;
@@ -281,7 +283,7 @@ struct FwdSm90 {
             }
             for (int s = 0; s < 2; ++s) {
                 mbar_init(sched_full(s), 1);
-                mbar_init(sched_empty(s), NC * 128 + (DYN ? 1 : 0));  // + the TMA thread
+                mbar_init(sched_empty(s), NC * 128 + (DYN ? 1 : 0));  // + the TMA warp
             }
             fence_barrier_init();
         }
@@ -295,16 +297,18 @@ struct FwdSm90 {
             auto publish = [&](int m_block, int h, int bi, const fc::SeqRange& sr) {
                 const int slot = si & 1;
                 mbar_wait(sched_empty(slot), ((si >> 1) & 1) ^ 1);
-                const uint32_t a = sched_val(slot);
-                fc::st_shared_b32(a, m_block);
-                fc::st_shared_b32(a + 4u, h);
-                fc::st_shared_b32(a + 8u, bi);
-                fc::st_shared_b32(a + 12u, p.page_table != nullptr ? sr.sk : sr.k0);  // see load_tile
-                fc::st_shared_b32(a + 16u, m_block < 0 ? 0 : n_tiles(sr, m_block));
-                fc::st_shared_b32(a + 20u, sr.sq);
-                fc::st_shared_b32(a + 24u, sr.sk);
-                fc::st_shared_b32(a + 28u, sr.q0);
-                mbar_arrive(sched_full(slot));
+                if ((tid & 31) == 0) {  // the warp's lane 0 (the TMA warp runs this with all lanes)
+                    const uint32_t a = sched_val(slot);
+                    fc::st_shared_b32(a, m_block);
+                    fc::st_shared_b32(a + 4u, h);
+                    fc::st_shared_b32(a + 8u, bi);
+                    fc::st_shared_b32(a + 12u, p.page_table != nullptr ? sr.sk : sr.k0);  // see load_tile
+                    fc::st_shared_b32(a + 16u, m_block < 0 ? 0 : n_tiles(sr, m_block));
+                    fc::st_shared_b32(a + 20u, sr.sq);
+                    fc::st_shared_b32(a + 24u, sr.sk);
+                    fc::st_shared_b32(a + 28u, sr.q0);
+                    mbar_arrive(sched_full(slot));
+                }
                 ++si;
             };
             const fc::SeqRange none{0, 0, 0, 0};
@@ -321,10 +325,18 @@ struct FwdSm90 {
                 }
                 publish(-1, 0, 0, none);
             }
-            if (tid == 0) {
-                tma_prefetch_desc(tmq);
-                tma_prefetch_desc(tmk);
-                tma_prefetch_desc(tmv);
+            if (tid < 32) {
+                // The TMA warp: every lane runs the schedule and waits on the barriers; lane 0
+                // (`lead`) arrives and issues the Q and dense K/V loads. A paged tile's boxes are
+                // issued by one lane each, every lane reading its own page id, so the tile costs
+                // one page-table read latency, not one per box.
+                const int lane = tid;
+                const bool lead = lane == 0;
+                if (lead) {
+                    tma_prefetch_desc(tmq);
+                    tma_prefetch_desc(tmk);
+                    tma_prefetch_desc(tmv);
+                }
                 PipeState<STAGES> ks, vs;
                 uint32_t qi = 0;
                 for (int k = 0;; ++k) {
@@ -339,7 +351,8 @@ struct FwdSm90 {
                         k0 = (int)fc::ld_shared_b32(a + 12u);
                         n_max = (int)fc::ld_shared_b32(a + 16u);
                         q0 = (int)fc::ld_shared_b32(a + 28u);
-                        mbar_arrive(sched_empty(slot));
+                        __syncwarp();  // every lane has read the slot
+                        if (lead) mbar_arrive(sched_empty(slot));
                         ++si;
                         if (m_block < 0) break;
                         hk = h / p.h_ratio;
@@ -360,51 +373,57 @@ struct FwdSm90 {
                     const int bq = p.cu_seqlens_q != nullptr ? 0 : bi;
                     const int bk = p.cu_seqlens_k != nullptr ? 0 : bi;
                     if (n_max <= 0) continue;
-                    // Key tile n of K or V into `dst`. Paged pools (p.page_table; page size 2^page_shift
-                    // >= 16; the host maps the pools as (d, page_size, hkv, pages) with boxes of
-                    // min(page_size, the largest power of two dividing BN) rows): the tile is loaded box
-                    // by box, each inside one page, its id clamped into the pool (as fc::page_of). A box
-                    // past the sequence's last key (k0 holds the key count here) reloads the box holding
-                    // it, as the barrier expects the whole tile: those keys are masked and the consumers
-                    // zero their V rows.
+                    // Key tile n of K or V into `dst`. Paged pools (p.page_table; page size
+                    // 2^page_shift >= 16; the host maps the pools as (d, page_size, hkv, pages) with
+                    // boxes of min(page_size, the largest power of two dividing BN) rows): lane j
+                    // loads box j of the tile, inside one page, its id read by that lane and clamped
+                    // into the pool (as fc::page_of). A box past the sequence's last key (k0 holds the
+                    // key count here) reloads the box holding it, as the barrier expects the whole
+                    // tile: those keys are masked and the consumers zero their V rows.
                     auto load_tile = [&](uint32_t dst, const CUtensorMap* tm, uint32_t bar, int n) {
-                        const bool paged = PAGED && p.page_table != nullptr;
-                        const int sh = p.page_shift;
-                        const int pb = paged ? min(1 << sh, BN & -BN) : BN;
-#pragma unroll 1
-                        for (int r = 0; r < BN; r += pb) {
-                            int row = k0 + n * BN, page = bk;
-                            if (paged) {
+                        if (PAGED && p.page_table != nullptr) {
+                            const int sh = p.page_shift;
+                            const int pb = min(1 << sh, BN & -BN);
+                            const int r = lane * pb;
+                            if (r < BN) {
                                 const int key = min(n * BN + r, (k0 - 1) & -pb);
-                                page = fc::clamp_i(
+                                const int page = fc::clamp_i(
                                     __ldg(p.page_table + (int64_t)bi * p.page_table_stride + (key >> sh)), 0,
                                     (p.total_k >> sh) - 1);
-                                row = key & ((1 << sh) - 1);
+#pragma unroll
+                                for (int c = 0; c < DBV; ++c)
+                                    tma_load_4d(dst + c * BN * 128 + r * 128, tm, bar, c * 64, key & ((1 << sh) - 1),
+                                                hk, page, kEvictLast);
                             }
+                        } else if (lead) {
 #pragma unroll
                             for (int c = 0; c < DBV; ++c)
-                                tma_load_4d(dst + c * BN * 128 + r * 128, tm, bar, c * 64, row, hk, page, kEvictLast);
+                                tma_load_4d(dst + c * BN * 128, tm, bar, c * 64, k0 + n * BN, hk, bk, kEvictLast);
                         }
                     };
+                    // (lane 0's expect_tx may follow other lanes' completed boxes: the tx count
+                    // goes negative meanwhile, and the phase cannot end before lane 0 arrives)
                     auto load_k = [&](int n) {
                         mbar_wait(empty_k(ks.stage), ks.phase ^ 1);
-                        mbar_arrive_expect_tx(full_k(ks.stage), KV_LOAD);
+                        if (lead) mbar_arrive_expect_tx(full_k(ks.stage), KV_LOAD);
                         load_tile(sK + ks.stage * KV_BYTES, tmk, full_k(ks.stage), n);
                         ks.advance();
                     };
                     auto load_v = [&](int n) {
                         mbar_wait(empty_v(vs.stage), vs.phase ^ 1);
-                        mbar_arrive_expect_tx(full_v(vs.stage), KV_LOAD);
+                        if (lead) mbar_arrive_expect_tx(full_v(vs.stage), KV_LOAD);
                         load_tile(sV + vs.stage * KV_BYTES, tmv, full_v(vs.stage), n);
                         vs.advance();
                     };
                     load_k(n_max - 1);
                     // Q buffer is free once both consumer warpgroups finished the previous epilogue
                     mbar_wait(q_empty, (qi & 1) ^ 1);
-                    mbar_arrive_expect_tx(bar_q, Q_LOAD);
+                    if (lead) {
+                        mbar_arrive_expect_tx(bar_q, Q_LOAD);
 #pragma unroll
-                    for (int c = 0; c < DBV; ++c)
-                        tma_load_4d(sQ + c * BM * 128, tmq, bar_q, c * 64, q0 + m_block * BM, h, bq, kEvictFirst);
+                        for (int c = 0; c < DBV; ++c)
+                            tma_load_4d(sQ + c * BM * 128, tmq, bar_q, c * 64, q0 + m_block * BM, h, bq, kEvictFirst);
+                    }
                     ++qi;
 #pragma unroll 1
                     for (int n = n_max - 2; n >= 0; --n) {
