@@ -225,9 +225,17 @@ impl CustomOp3 for FlashAttn {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (o, lse) =
-            crate::cuda::forward(&self.problem, &self.extra, (s1, l1), (s2, l2), (s3, l3))?;
-        self.stash_lse(Storage::Cuda(lse));
+        let (o, lse) = crate::cuda::forward(
+            &self.problem,
+            &self.extra,
+            (s1, l1),
+            (s2, l2),
+            (s3, l3),
+            self.want_lse,
+        )?;
+        if let Some(lse) = lse {
+            self.stash_lse(Storage::Cuda(lse));
+        }
         Ok((o, self.problem.out_shape()))
     }
 }

@@ -468,15 +468,6 @@ fn decode(
     // One allocation for both partials (O first: n_lse rows of the kernel's head dim, which the
     // kernel writes whole even when p.d is smaller, 16-byte aligned; then LSE).
     let kd = variant.head_dim as usize;
-    let part: CudaSlice<f32> = alloc_out(dev, n_lse * (kd + 1), shape)?;
-    let (opp, _g1) = part.device_ptr(&stream);
-    let lpp = opp + (n_lse * kd * 4) as u64;
-    if poison_on() {
-        launch::fill(&stream, opp, n_lse * (kd + 1), 4, 0x7FC0_0000)?;
-    }
-    prm.o_partial = opp;
-    prm.lse_partial = lpp;
-    launch::launch_params(&stream, f, cfg, &prm, &symbol, shape)?;
     let csym = variants::combine_symbol_of(variant);
     let cf = launch::function(&stream, variant.family, &csym, 0, shape)?;
     let rows = p.b * p.hq * p.sq;
@@ -486,29 +477,54 @@ fn decode(
         shared_mem_bytes: 0,
     };
     let cshape = Fmt(|f: &mut std::fmt::Formatter<'_>| write!(f, "{shape} splits={splits}"));
-    // On 9.x the fatbin's sm_90 SASS runs, whose combine waits with griddepcontrol.wait: launch it
-    // as a programmatic dependent so it is scheduled while the split grid drains. Elsewhere
-    // (sm_8x SASS, or PTX JIT-compiled for a newer GPU) the wait is compiled out: plain launch.
-    if info.major == 9 {
-        launch::launch_params_pdl(&stream, &cf, ccfg, &prm, &csym, &cshape)
-    } else {
-        launch::launch_params(&stream, &cf, ccfg, &prm, &csym, &cshape)
-    }
+    // The partials live in the stream's scratch, which another host thread's call on the same
+    // stream would overwrite: the scratch stays locked until both grids are enqueued, so no
+    // other call's launches come between this split grid and its combine.
+    with_scratch(&stream, |scratch| {
+        let opp = scratch.f32(&stream, n_lse * (kd + 1), true).map_err(|e| {
+            launch::err(
+                &symbol,
+                shape,
+                format!(
+                    "allocating {} f32 of split-KV scratch: {e}",
+                    n_lse * (kd + 1)
+                ),
+            )
+        })?;
+        let lpp = opp + (n_lse * kd * 4) as u64;
+        if poison_on() {
+            launch::fill(&stream, opp, n_lse * (kd + 1), 4, 0x7FC0_0000)?;
+        }
+        prm.o_partial = opp;
+        prm.lse_partial = lpp;
+        launch::launch_params(&stream, f, cfg, &prm, &symbol, shape)?;
+        // On 9.x the fatbin's sm_90 SASS runs, whose combine waits with griddepcontrol.wait:
+        // launch it as a programmatic dependent so it is scheduled while the split grid drains.
+        // Elsewhere (sm_8x SASS, or PTX JIT-compiled for a newer GPU) the wait is compiled out:
+        // plain launch.
+        if info.major == 9 {
+            launch::launch_params_pdl(&stream, &cf, ccfg, &prm, &csym, &cshape)
+        } else {
+            launch::launch_params(&stream, &cf, ccfg, &prm, &csym, &cshape)
+        }
+    })
 }
 
-/// Runs the forward on CUDA storages; returns (O, LSE).
+/// Runs the forward on CUDA storages; returns O and, when `want_lse`, the LSE (otherwise the
+/// kernels write it to the stream's scratch: no allocation).
 pub(crate) fn forward(
     p: &Problem,
     extra: &Extra,
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
-) -> Result<(CudaStorage, CudaStorage)> {
+    want_lse: bool,
+) -> Result<(CudaStorage, Option<CudaStorage>)> {
     let dev = q.0.device.clone();
     let variant = choose(p, &device_info(&dev)?)?;
     match p.dtype {
-        DType::BF16 => run_typed::<bf16>(&dev, p, variant, extra, q, k, v),
-        DType::F16 => run_typed::<f16>(&dev, p, variant, extra, q, k, v),
+        DType::BF16 => run_typed::<bf16>(&dev, p, variant, extra, q, k, v, want_lse),
+        DType::F16 => run_typed::<f16>(&dev, p, variant, extra, q, k, v, want_lse),
         _ => unreachable!("choose() admits only f16 and bf16"),
     }
 }
@@ -544,7 +560,8 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
-) -> Result<(CudaStorage, CudaStorage)> {
+    want_lse: bool,
+) -> Result<(CudaStorage, Option<CudaStorage>)> {
     let shape = ShapeOf(p);
     let symbol = variants::symbol(variant);
     let stream = dev.cuda_stream();
@@ -569,9 +586,29 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     let n_out = total_q * p.hq * p.d;
     let n_lse = p.hq * total_q;
     let o: CudaSlice<T> = alloc_out(dev, n_out, &shape)?;
-    let lse: CudaSlice<f32> = alloc_out(dev, n_lse, &shape)?;
+    let lse: Option<CudaSlice<f32>> = if want_lse {
+        Some(alloc_out(dev, n_lse, &shape)?)
+    } else {
+        None
+    };
     let (op, _og) = o.device_ptr(&stream);
-    let (lp, _lg) = lse.device_ptr(&stream);
+    let (lp, _lg) = match &lse {
+        Some(l) => {
+            let (lp, g) = l.device_ptr(&stream);
+            (lp, Some(g))
+        }
+        None => {
+            // written by the kernels, read by nobody: calls may share it
+            let lp = with_scratch(&stream, |s| s.f32(&stream, n_lse, false)).map_err(|e| {
+                launch::err(
+                    &symbol,
+                    &shape,
+                    format!("allocating {n_lse} f32 of LSE scratch: {e}"),
+                )
+            })?;
+            (lp, None)
+        }
+    };
     if poison_on() {
         launch::fill(&stream, op, n_out, 2, 0x7FFF)?;
         launch::fill(&stream, lp, n_lse, 4, 0x7FC0_0000)?;
@@ -805,33 +842,80 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     drop((_og, _lg));
     Ok((
         CudaStorage::wrap_cuda_slice(o, dev.clone()),
-        CudaStorage::wrap_cuda_slice(lse, dev.clone()),
+        lse.map(|l| CudaStorage::wrap_cuda_slice(l, dev.clone())),
     ))
 }
 
-/// The device address of `stream`'s tile counter for the sm90 dynamic schedule, allocated and
-/// zeroed on the stream's first dynamic launch and kept for the process's life. Each launch
-/// leaves it at zero again (the CTA that makes the launch's last draw resets it,
-/// kernels/sm90/fwd.cuh), and kernels on one stream run one after another, so no launch pays an
-/// allocation and a memset for a fresh counter (3.8 us of host time per call on the H100
-/// machine's host, session 18), and a replayed CUDA graph finds it zeroed too. Keyed by stream
-/// handle: an entry keeps its stream alive, so a handle is never reused while it is in the map.
-fn tile_counter(
+/// Device memory kept per stream for the process's life, keyed by stream handle (an entry
+/// keeps its stream alive, so a handle is never reused while it is in the map). Kernels on one
+/// stream run one after another, so each launch can use the same buffers as the last one.
+#[derive(Default)]
+struct StreamScratch {
+    /// The sm90 dynamic schedule's tile counter: allocated and zeroed on the stream's first
+    /// dynamic launch; each launch leaves it at zero again (the CTA that makes the launch's last
+    /// draw resets it, kernels/sm90/fwd.cuh), so no launch pays an allocation and a memset for
+    /// a fresh counter (3.8 us of host time per call on the H100 machine's host, session 18),
+    /// and a replayed CUDA graph finds it zeroed too.
+    counter: Option<CudaSlice<i32>>,
+    /// f32 scratch the kernels write and nobody returns: the LSE of a call that does not ask for
+    /// it, and the split-KV decode's partial O and LSE. Grows to the largest request (freed
+    /// stream-ordered, after the launches already issued that use it).
+    lse: Option<CudaSlice<f32>>,
+    part: Option<CudaSlice<f32>>,
+}
+
+/// Runs `f` on `stream`'s scratch, holding the lock of every stream's scratch meanwhile (`f`
+/// must not call this again: the lock is not re-entrant).
+fn with_scratch<R>(
     stream: &std::sync::Arc<cudarc::driver::CudaStream>,
-) -> std::result::Result<u64, cudarc::driver::DriverError> {
+    f: impl FnOnce(&mut StreamScratch) -> R,
+) -> R {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
-    static C: OnceLock<Mutex<HashMap<usize, CudaSlice<i32>>>> = OnceLock::new();
+    // keyed by stream handle; the Arc keeps the stream (and so its handle) alive
+    type Map = HashMap<usize, (std::sync::Arc<cudarc::driver::CudaStream>, StreamScratch)>;
+    static C: OnceLock<Mutex<Map>> = OnceLock::new();
     let mut map = C
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    let counter = match map.entry(stream.cu_stream() as usize) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(e) => e.insert(stream.alloc_zeros::<i32>(1)?),
-    };
-    let ptr = counter.device_ptr(stream).0;
-    Ok(ptr)
+    let entry = map
+        .entry(stream.cu_stream() as usize)
+        .or_insert_with(|| (stream.clone(), StreamScratch::default()));
+    f(&mut entry.1)
+}
+
+/// The device address of `stream`'s tile counter for the sm90 dynamic schedule (`StreamScratch`).
+fn tile_counter(
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+) -> std::result::Result<u64, cudarc::driver::DriverError> {
+    with_scratch(stream, |s| {
+        if s.counter.is_none() {
+            s.counter = Some(stream.alloc_zeros::<i32>(1)?);
+        }
+        let c = s.counter.as_ref().expect("set above");
+        Ok(c.device_ptr(stream).0)
+    })
+}
+
+impl StreamScratch {
+    /// The device address of at least `n` f32 of this stream's scratch: the LSE buffer (`part`
+    /// false) or the decode partials (`part` true). Valid for launches issued on `stream` until
+    /// the next request of the same buffer.
+    fn f32(
+        &mut self,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        n: usize,
+        part: bool,
+    ) -> std::result::Result<u64, cudarc::driver::DriverError> {
+        let slot = if part { &mut self.part } else { &mut self.lse };
+        if slot.as_ref().is_none_or(|b| b.len() < n) {
+            // the old buffer's free is ordered on the stream after the launches that use it
+            *slot = Some(unsafe { stream.alloc::<f32>(n.max(1))? });
+        }
+        let b = slot.as_ref().expect("set above");
+        Ok(b.device_ptr(stream).0)
+    }
 }
 
 /// The sm80 forward: grid (query blocks, heads, batch) without a mask, (heads, query blocks,
