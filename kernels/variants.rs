@@ -177,7 +177,7 @@ impl Variant {
     /// kernels/sm90/fwd.cuh) on power-of-two pages; a box is min(page_size, the largest power of
     /// two dividing block_n) rows, each inside one page, the boxes of a tile issued by one lane of
     /// the TMA warp each. From 32-row boxes (H100, session 19, docs/perf.md): chunked prefill at
-    /// pages of 32 runs 0.95-0.98x the contiguous cache (gathered: 0.79-0.96x); 16-row boxes run
+    /// pages of 32 runs 0.94-0.98x the contiguous cache (gathered: 0.80-0.88x); 16-row boxes run
     /// 0.80-0.87x, about what gathering costs (the TMA unit takes about as long for a 2 KB box as
     /// for an 8 KB one), so pages of 16 are gathered.
     pub const fn page_box(&self, page_size: usize) -> Option<u32> {
