@@ -421,6 +421,23 @@ fn time_events(
     Ok(median(times))
 }
 
+/// Times `call` with `--timing`'s method: the outer error is a method this device lacks (the run
+/// stops), the inner one a failed case (reported as such).
+fn time_call(
+    args: &Args,
+    dev: &Device,
+    call: impl FnMut(usize) -> Result<()>,
+) -> Result<Result<f64>> {
+    Ok(match (args.timing.as_str(), dev.is_cuda()) {
+        #[cfg(feature = "cuda")]
+        ("flush", true) => time_events(dev, args.reps, args.heat, call),
+        ("flush", _) | ("batch", _) => time_it(dev, args.reps, call),
+        #[cfg(feature = "cuda")]
+        ("host", true) => time_host(dev, args.reps, call),
+        (t, _) => bail!("--timing must be flush, batch or host (CUDA), got {t:?}"),
+    })
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if !(args.heat.is_finite() && args.heat >= 0.0) {
@@ -621,14 +638,7 @@ fn main() -> Result<()> {
                 run(i)?;
                 Ok(())
             };
-            let res = match (args.timing.as_str(), dev.is_cuda()) {
-                #[cfg(feature = "cuda")]
-                ("flush", true) => time_events(&dev, args.reps, args.heat, call),
-                ("flush", _) | ("batch", _) => time_it(&dev, args.reps, call),
-                #[cfg(feature = "cuda")]
-                ("host", true) => time_host(&dev, args.reps, call),
-                (t, _) => bail!("--timing must be flush, batch or host (CUDA), got {t:?}"),
-            };
+            let res = time_call(&args, &dev, call)?;
             let (status, us, err) = match res {
                 Ok(us) => {
                     let err = if args.verify {
@@ -718,14 +728,7 @@ fn run_varlen(args: &Args, dev: &Device, dtype: DType, p: &Problem) -> Result<()
             run()?;
             Ok(())
         };
-        let res = match (args.timing.as_str(), dev.is_cuda()) {
-            #[cfg(feature = "cuda")]
-            ("flush", true) => time_events(dev, args.reps, args.heat, call),
-            ("flush", _) | ("batch", _) => time_it(dev, args.reps, call),
-            #[cfg(feature = "cuda")]
-            ("host", true) => time_host(dev, args.reps, call),
-            (t, _) => bail!("--timing must be flush, batch or host (CUDA), got {t:?}"),
-        };
+        let res = time_call(args, dev, call)?;
         let (status, us) = match res {
             Ok(us) => ("OK", us),
             Err(e) => {

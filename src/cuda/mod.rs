@@ -481,7 +481,7 @@ fn decode(
     // stream would overwrite: the scratch stays locked until both grids are enqueued, so no
     // other call's launches come between this split grid and its combine.
     with_scratch(&stream, |scratch| {
-        let opp = scratch.f32(&stream, n_lse * (kd + 1), true).map_err(|e| {
+        let opp = grown(&mut scratch.part, &stream, n_lse * (kd + 1)).map_err(|e| {
             launch::err(
                 &symbol,
                 shape,
@@ -599,7 +599,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         }
         None => {
             // written by the kernels, read by nobody: calls may share it
-            let lp = with_scratch(&stream, |s| s.f32(&stream, n_lse, false)).map_err(|e| {
+            let lp = with_scratch(&stream, |s| grown(&mut s.lse, &stream, n_lse)).map_err(|e| {
                 launch::err(
                     &symbol,
                     &shape,
@@ -898,24 +898,20 @@ fn tile_counter(
     })
 }
 
-impl StreamScratch {
-    /// The device address of at least `n` f32 of this stream's scratch: the LSE buffer (`part`
-    /// false) or the decode partials (`part` true). Valid for launches issued on `stream` until
-    /// the next request of the same buffer.
-    fn f32(
-        &mut self,
-        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
-        n: usize,
-        part: bool,
-    ) -> std::result::Result<u64, cudarc::driver::DriverError> {
-        let slot = if part { &mut self.part } else { &mut self.lse };
-        if slot.as_ref().is_none_or(|b| b.len() < n) {
-            // the old buffer's free is ordered on the stream after the launches that use it
-            *slot = Some(unsafe { stream.alloc::<f32>(n.max(1))? });
-        }
-        let b = slot.as_ref().expect("set above");
-        Ok(b.device_ptr(stream).0)
+/// The device address of at least `n` f32 of a stream's scratch buffer `slot` (a field of
+/// `StreamScratch`), reallocated when smaller. Valid for launches issued on `stream` until the
+/// next request of the same buffer.
+fn grown(
+    slot: &mut Option<CudaSlice<f32>>,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    n: usize,
+) -> std::result::Result<u64, cudarc::driver::DriverError> {
+    if slot.as_ref().is_none_or(|b| b.len() < n) {
+        // the old buffer's free is ordered on the stream after the launches that use it
+        *slot = Some(unsafe { stream.alloc::<f32>(n.max(1))? });
     }
+    let b = slot.as_ref().expect("set above");
+    Ok(b.device_ptr(stream).0)
 }
 
 /// The sm80 forward: grid (query blocks, heads, batch) without a mask, (heads, query blocks,
