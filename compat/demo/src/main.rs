@@ -6,8 +6,9 @@
 //! token ids runs through the flash model and the eager model (same weights), then N greedy
 //! tokens with the model's KV cache. Reported: max |logit diff| at the prompt's last position
 //! (the models return only that one) and at every decode step while both have been fed the
-//! same tokens, greedy agreement, prefill and decode tokens/s. One JSON line per model, then a
-//! table.
+//! same tokens, greedy agreement, prefill and decode tokens/s. The flash and the eager model are
+//! timed in alternation, and the median per-repetition ratio flash ÷ eager is reported beside
+//! the medians (`paired_*_ratio`). One JSON line per model, then a table.
 //!
 //! Usage: demo [--models llama,mistral,...] [--prompt 128] [--gen 32] [--layers 2] [--seed 42]
 //!             [--reps 5] [--cpu]
@@ -308,44 +309,127 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Warm-up (module loads, cuBLAS handles, allocator), then `reps` timed runs of the prefill and
-/// of the greedy decode after it; tokens/s from the median times. The logits and tokens are the
-/// last run's (every run computes the same ones).
-fn run(m: &mut dyn Lm, prompt: &[u32], gen: usize, reps: usize, dev: &Device) -> Result<Run> {
+/// One timed prefill of `prompt` and greedy decode of `gen` tokens after it: (prefill seconds,
+/// decode seconds, prompt logits, step logits, tokens).
+type Timed = (f64, f64, Vec<f32>, Vec<Vec<f32>>, Vec<u32>);
+
+fn timed(m: &mut dyn Lm, prompt: &[u32], gen: usize, dev: &Device) -> Result<Timed> {
     let ids = Tensor::new(prompt, dev)?.unsqueeze(0)?;
     m.reset()?;
-    m.step(&ids, 0)?.to_vec1::<f32>()?;
-    let (mut prefill_s, mut decode_s) = (Vec::new(), Vec::new());
-    let mut last = None;
-    for _ in 0..reps.max(1) {
-        m.reset()?;
-        dev.synchronize()?;
-        let t0 = Instant::now();
-        let logits = m.step(&ids, 0)?.to_vec1::<f32>()?;
-        prefill_s.push(t0.elapsed().as_secs_f64());
-        let mut tok = argmax(&logits);
-        let mut tokens = vec![tok];
-        let mut step_logits = Vec::new();
-        dev.synchronize()?;
-        let t1 = Instant::now();
-        for i in 0..gen.saturating_sub(1) {
-            let x = Tensor::new(&[tok], dev)?.unsqueeze(0)?;
-            let l = m.step(&x, prompt.len() + i)?.to_vec1::<f32>()?;
-            tok = argmax(&l);
-            tokens.push(tok);
-            step_logits.push(l);
-        }
-        decode_s.push(t1.elapsed().as_secs_f64());
-        last = Some((logits, step_logits, tokens));
+    dev.synchronize()?;
+    let t0 = Instant::now();
+    let logits = m.step(&ids, 0)?.to_vec1::<f32>()?;
+    let prefill = t0.elapsed().as_secs_f64();
+    let mut tok = argmax(&logits);
+    let mut tokens = vec![tok];
+    let mut step_logits = Vec::new();
+    dev.synchronize()?;
+    let t1 = Instant::now();
+    for i in 0..gen.saturating_sub(1) {
+        let x = Tensor::new(&[tok], dev)?.unsqueeze(0)?;
+        let l = m.step(&x, prompt.len() + i)?.to_vec1::<f32>()?;
+        tok = argmax(&l);
+        tokens.push(tok);
+        step_logits.push(l);
     }
-    let (prefill_logits, step_logits, tokens) = last.context("no timed run")?;
+    Ok((
+        prefill,
+        t1.elapsed().as_secs_f64(),
+        logits,
+        step_logits,
+        tokens,
+    ))
+}
+
+fn to_run(t: Vec<Timed>, prompt: usize, gen: usize) -> Result<Run> {
+    let prefill_s: Vec<f64> = t.iter().map(|x| x.0).collect();
+    let decode_s: Vec<f64> = t.iter().map(|x| x.1).collect();
+    let (_, _, prefill_logits, step_logits, tokens) =
+        t.into_iter().last().context("no timed run")?;
     Ok(Run {
         prefill_logits,
         step_logits,
         tokens,
-        prefill_tok_s: prompt.len() as f64 / median(prefill_s),
+        prefill_tok_s: prompt as f64 / median(prefill_s),
         decode_tok_s: (gen.saturating_sub(1)) as f64 / median(decode_s).max(1e-9),
     })
+}
+
+/// Warm-up (module loads, cuBLAS handles, allocator), then `reps` timed runs of the prefill and
+/// of the greedy decode after it; tokens/s from the median times. The logits and tokens are the
+/// last run's (every run computes the same ones).
+fn run(m: &mut dyn Lm, prompt: &[u32], gen: usize, reps: usize, dev: &Device) -> Result<Run> {
+    timed(m, prompt, 2, dev)?;
+    let t = (0..reps.max(1))
+        .map(|_| timed(m, prompt, gen, dev))
+        .collect::<Result<Vec<_>>>()?;
+    to_run(t, prompt.len(), gen)
+}
+
+/// The flash and the eager model timed in alternation (flash first on even repetitions, eager
+/// first on odd ones), so that drift of the GPU's or the host's clocks during the call reaches
+/// both alike. Also returns the median over repetitions of the paired ratios flash ÷ eager
+/// tokens/s (prefill, decode).
+fn run_pair(
+    flash: &mut dyn Lm,
+    eager: &mut dyn Lm,
+    prompt: &[u32],
+    gen: usize,
+    reps: usize,
+    dev: &Device,
+) -> Result<(Run, Run, f64, f64)> {
+    timed(flash, prompt, 2, dev)?;
+    timed(eager, prompt, 2, dev)?;
+    let (mut tf, mut te) = (Vec::new(), Vec::new());
+    for r in 0..reps.max(1) {
+        if r % 2 == 0 {
+            tf.push(timed(flash, prompt, gen, dev)?);
+            te.push(timed(eager, prompt, gen, dev)?);
+        } else {
+            te.push(timed(eager, prompt, gen, dev)?);
+            tf.push(timed(flash, prompt, gen, dev)?);
+        }
+    }
+    let ratio = |i: usize| {
+        median(
+            tf.iter()
+                .zip(&te)
+                .map(|(f, e)| if i == 0 { e.0 / f.0 } else { e.1 / f.1 })
+                .collect(),
+        )
+    };
+    let (rp, rd) = (ratio(0), ratio(1));
+    Ok((
+        to_run(tf, prompt.len(), gen)?,
+        to_run(te, prompt.len(), gen)?,
+        rp,
+        rd,
+    ))
+}
+
+/// [`run_pair`] over a `[flash, eager]` pair of models.
+fn pair(
+    mut ms: Vec<Box<dyn Lm>>,
+    prompt: &[u32],
+    gen: usize,
+    reps: usize,
+    dev: &Device,
+) -> Result<Paired> {
+    let (a, b) = ms.split_at_mut(1);
+    let (flash, eager, prefill_ratio, decode_ratio) =
+        run_pair(a[0].as_mut(), b[0].as_mut(), prompt, gen, reps, dev)?;
+    Ok(Paired {
+        flash,
+        eager,
+        ratios: Some((prefill_ratio, decode_ratio)),
+    })
+}
+
+/// A flash run and an eager run of one model, with the paired ratios when they alternated.
+struct Paired {
+    flash: Run,
+    eager: Run,
+    ratios: Option<(f64, f64)>,
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
@@ -369,11 +453,11 @@ fn compare(
     model: &str,
     what: &str,
     dtype: &str,
-    flash: &Run,
-    eager: &Run,
+    runs: &Paired,
     eager_where: &str,
     note: &str,
 ) -> Report {
+    let (flash, eager) = (&runs.flash, &runs.eager);
     let prefill_diff = max_abs_diff(&flash.prefill_logits, &eager.prefill_logits);
     let first_div = flash
         .tokens
@@ -408,6 +492,8 @@ fn compare(
         "eager_prefill_tok_s": eager.prefill_tok_s,
         "flash_decode_tok_s": flash.decode_tok_s,
         "eager_decode_tok_s": eager.decode_tok_s,
+        "paired_prefill_ratio": runs.ratios.map(|r| r.0),
+        "paired_decode_ratio": runs.ratios.map(|r| r.1),
         "note": note,
     });
     let decode_cell = if steps_same_input > 0 {
@@ -415,13 +501,19 @@ fn compare(
     } else {
         "-".into()
     };
+    let paired = |i: usize| match runs.ratios {
+        Some(r) => format!("{:.3}", if i == 0 { r.0 } else { r.1 }),
+        None => "-".into(),
+    };
     let row = format!(
-        "| {model} | {prefill_diff:.3e} | {decode_cell} | {agree_prefix}/{} | {:.0} | {:.0} | {:.1} | {:.1} |",
+        "| {model} | {prefill_diff:.3e} | {decode_cell} | {agree_prefix}/{} | {:.0} | {:.0} | {} | {:.1} | {:.1} | {} |",
         flash.tokens.len(),
         flash.prefill_tok_s,
         eager.prefill_tok_s,
+        paired(0),
         flash.decode_tok_s,
-        eager.decode_tok_s
+        eager.decode_tok_s,
+        paired(1)
     );
     Report { json, row }
 }
@@ -512,32 +604,34 @@ fn main() -> Result<()> {
             "llama" => {
                 let lc = llama_cfg(nl)?;
                 let prompt = prompt_ids(p, lc.vocab_size, args.seed);
-                let mut runs = Vec::new();
+                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
                 for flash in [true, false] {
                     let cfg = lc.clone().into_config(flash);
                     let model = llama::Llama::load(var_builder(&w, dtype, &dev), &cfg)?;
                     let cache = llama::Cache::new(true, dtype, &cfg, &dev)?;
-                    let mut m = Llama {
+                    let m = Llama {
                         model,
                         cfg,
                         cache,
                         dtype,
                         dev: dev.clone(),
                     };
-                    runs.push(run(&mut m, &prompt, g, args.reps, &dev)?);
+                    ms.push(Box::new(m));
                 }
+                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
                 let what = format!("Llama-3-8B, {nl} layers, 32/8 heads (GQA), d128");
-                compare("llama", &what, dt, &runs[0], &runs[1], here, "")
+                compare("llama", &what, dt, &runs, here, "")
             }
             "mistral" | "mistral-sw32" => {
                 let sw = if name == "mistral" { 4096 } else { 32 };
                 let prompt = prompt_ids(p, 32000, args.seed);
-                let mut runs = Vec::new();
+                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
                 for flash in [true, false] {
                     let cfg = mistral_cfg(nl, flash, sw);
                     let m = mistral::Model::new(&cfg, var_builder(&w, dtype, &dev))?;
-                    runs.push(run(&mut Mistral(m), &prompt, g, args.reps, &dev)?);
+                    ms.push(Box::new(Mistral(m)));
                 }
+                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
                 let what =
                     format!("Mistral-7B-v0.1, {nl} layers, 32/8 heads, d128, sliding_window {sw}");
                 let note = if sw < p {
@@ -545,23 +639,23 @@ fn main() -> Result<()> {
                 } else {
                     "window longer than the prompt: both paths are plain causal"
                 };
-                compare(name, &what, dt, &runs[0], &runs[1], here, note)
+                compare(name, &what, dt, &runs, here, note)
             }
             "gemma2" => {
                 let cfg = gemma2_cfg(nl)?;
                 let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
-                let mut runs = Vec::new();
+                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
                 for flash in [true, false] {
                     let m = gemma2::Model::new(flash, &cfg, var_builder(&w, dtype, &dev))?;
-                    runs.push(run(&mut Gemma2(m), &prompt, g, args.reps, &dev)?);
+                    ms.push(Box::new(Gemma2(m)));
                 }
+                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
                 let what = format!("Gemma-2-9B, {nl} layers, 16/8 heads, d256, softcap 50");
                 compare(
                     "gemma2",
                     &what,
                     dt,
-                    &runs[0],
-                    &runs[1],
+                    &runs,
                     here,
                     "candle-transformers' gemma2 calls flash_attn without the attention softcap (eager applies it)",
                 )
@@ -569,19 +663,19 @@ fn main() -> Result<()> {
             "phi3" => {
                 let gguf = phi3_gguf(nl, &w)?;
                 let prompt = prompt_ids(p, 32064, args.seed);
-                let mut runs = Vec::new();
+                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
                 for flash in [true, false] {
-                    let mut m = phi3_model(&gguf, flash, &dev)?;
-                    runs.push(run(&mut m, &prompt, g, args.reps, &dev)?);
+                    let m = phi3_model(&gguf, flash, &dev)?;
+                    ms.push(Box::new(m));
                 }
+                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
                 let what =
                     format!("Phi-3-mini-4k (quantized_phi3, f16 GGUF), {nl} layers, 32 heads, d96");
                 compare(
                     "phi3",
                     &what,
                     "f32 (flash path casts q/k/v to bf16)",
-                    &runs[0],
-                    &runs[1],
+                    &runs,
                     here,
                     "phi3.rs has no flash path; quantized_phi3.rs is candle-transformers' Phi-3 with use_flash_attn",
                 )
@@ -602,7 +696,7 @@ fn main() -> Result<()> {
                     "note": "candle-transformers 0.11.1 qwen2.rs has no flash-attn path (no use_flash_attn); see qwen3",
                 });
                 let row = format!(
-                    "| qwen2 (no flash path) | - | - | - | - | {:.0} | - | {:.1} |",
+                    "| qwen2 (no flash path) | - | - | - | - | {:.0} | - | - | {:.1} | - |",
                     r.prefill_tok_s, r.decode_tok_s
                 );
                 Report { json, row }
@@ -622,8 +716,11 @@ fn main() -> Result<()> {
                     "qwen3",
                     &what,
                     "bf16 (flash, GPU) vs f32 (eager, CPU)",
-                    &flash,
-                    &eager,
+                    &Paired {
+                        flash,
+                        eager,
+                        ratios: None,
+                    },
                     "cpu-f32",
                     "qwen3.rs has no use_flash_attn switch: flash on GPU whenever the feature is on; the diff includes bf16 vs f32 rounding, eager tok/s is the CPU's",
                 )
@@ -642,8 +739,8 @@ fn main() -> Result<()> {
     println!(
         "prompt {p} random tokens, {g} greedy tokens, {nl} layers, random weights N(0, {std}); diffs are max |logit diff| flash vs eager"
     );
-    println!("| model | prefill diff | decode diff | greedy same prefix | flash prefill tok/s | eager prefill tok/s | flash decode tok/s | eager decode tok/s |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| model | prefill diff | decode diff | greedy same prefix | flash prefill tok/s | eager prefill tok/s | paired prefill ratio | flash decode tok/s | eager decode tok/s | paired decode ratio |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for r in reports {
         println!("{r}");
     }
