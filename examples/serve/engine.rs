@@ -85,6 +85,10 @@ pub struct Finished {
 #[derive(Clone, Debug, Default)]
 pub struct Step {
     pub seconds: f64,
+    /// Host time from the step's start until its forward pass was enqueued (the batch tables
+    /// built and uploaded, every layer's kernels launched): when close to `seconds`, the step
+    /// is host-bound.
+    pub host: f64,
     pub decode_tokens: usize,
     pub prefill_tokens: usize,
     pub kv_rows: usize,
@@ -431,6 +435,7 @@ pub fn serve_continuous(
             .collect();
         let batch = PagedBatch::new(&seqs, page_size, &device)?;
         let logits = model.forward_paged(&batch, &pool.layers)?;
+        let host = t0.elapsed().as_secs_f64();
         // Sequences whose new tokens reach their end get a next token, sampled in running
         // order (each with its own sampler): (running index, row of the logits).
         let mut complete: Vec<(usize, usize)> = plan
@@ -458,6 +463,7 @@ pub fn serve_continuous(
         let now = start.elapsed().as_secs_f64();
         let mut step = Step {
             seconds: t0.elapsed().as_secs_f64(),
+            host,
             ..Default::default()
         };
         for &(i, n) in &plan {
@@ -630,11 +636,13 @@ pub fn serve_static(
                 .collect();
             let batch = PagedBatch::new(&seqs, max_seq, device)?;
             let logits = model.forward_paged(&batch, &cache.layers)?;
+            let host = t0.elapsed().as_secs_f64();
             let mut refs: Vec<&mut Sampler> = samplers.iter_mut().collect();
             next = sample_rows(&logits, &mut refs)?;
             step_no += 1;
             steps.push(Step {
                 seconds: t0.elapsed().as_secs_f64(),
+                host,
                 decode_tokens: b,
                 kv_rows: group.iter().map(|r| r.prompt.len() + step_no).sum(),
                 ..Default::default()

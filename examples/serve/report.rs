@@ -121,6 +121,8 @@ pub struct Summary {
     /// Decode-only steps: how many, median time, median floor, median floor/time.
     pub decode_steps: usize,
     pub decode_step_ms: Option<f64>,
+    /// Median host time to enqueue a decode-only step (`Step::host`).
+    pub decode_host_ms: Option<f64>,
     pub decode_floor_ms: Option<f64>,
     pub decode_bw_frac: Option<f64>,
     /// Requests also run one at a time: how many, how many with identical tokens, and the
@@ -152,6 +154,7 @@ impl Summary {
             .filter(|s| s.prefill_tokens == 0 && s.decode_tokens > 0)
             .collect();
         let times: Vec<f64> = decode.iter().map(|s| s.seconds * 1e3).collect();
+        let hosts: Vec<f64> = decode.iter().map(|s| s.host * 1e3).collect();
         let floors: Vec<f64> = decode
             .iter()
             .filter_map(|s| floor.seconds(s.kv_rows).map(|f| f * 1e3))
@@ -205,6 +208,7 @@ impl Summary {
             pool_mean,
             decode_steps: decode.len(),
             decode_step_ms: percentile(&times, 50.0),
+            decode_host_ms: percentile(&hosts, 50.0),
             decode_floor_ms: percentile(&floors, 50.0),
             decode_bw_frac: percentile(&fracs, 50.0),
             agreement,
@@ -226,7 +230,7 @@ impl Summary {
         };
         let trio = |a: &[Option<f64>; 3]| format!("[{},{},{}]", o(a[0]), o(a[1]), o(a[2]));
         format!(
-            "{{\"mode\":\"{}\",\"requests\":{},\"prompt_tokens\":{},\"new_tokens\":{},\"wall_s\":{:.4},\"output_tok_s\":{:.3},\"total_tok_s\":{:.3},\"ttft_ms_p50_p90_p99\":{},\"itl_ms_p50_p90_p99\":{},\"latency_s_p50_p90_p99\":{},\"steps\":{},\"preemptions\":{},\"pool_peak\":{},\"pool_mean\":{},\"decode_steps\":{},\"decode_step_ms_p50\":{},\"decode_floor_ms_p50\":{},\"decode_bw_frac_p50\":{},\"agree_requests\":{},\"agree_identical\":{},\"agree_token_frac\":{}}}",
+            "{{\"mode\":\"{}\",\"requests\":{},\"prompt_tokens\":{},\"new_tokens\":{},\"wall_s\":{:.4},\"output_tok_s\":{:.3},\"total_tok_s\":{:.3},\"ttft_ms_p50_p90_p99\":{},\"itl_ms_p50_p90_p99\":{},\"latency_s_p50_p90_p99\":{},\"steps\":{},\"preemptions\":{},\"pool_peak\":{},\"pool_mean\":{},\"decode_steps\":{},\"decode_step_ms_p50\":{},\"decode_host_ms_p50\":{},\"decode_floor_ms_p50\":{},\"decode_bw_frac_p50\":{},\"agree_requests\":{},\"agree_identical\":{},\"agree_token_frac\":{}}}",
             self.mode,
             self.requests,
             self.prompt_tokens,
@@ -243,6 +247,7 @@ impl Summary {
             o(self.pool_mean),
             self.decode_steps,
             o(self.decode_step_ms),
+            o(self.decode_host_ms),
             o(self.decode_floor_ms),
             o(self.decode_bw_frac),
             self.agreement.map(|a| a.0.to_string()).unwrap_or_else(|| "null".into()),
@@ -318,10 +323,11 @@ pub fn print_summary(
                 _ => String::new(),
             };
             eprintln!(
-                "[{}]   decode-only steps: {}, median {} ms{floor}",
+                "[{}]   decode-only steps: {}, median {} ms (host enqueue {} ms){floor}",
                 s.mode,
                 s.decode_steps,
                 f(s.decode_step_ms, 2),
+                f(s.decode_host_ms, 2),
             );
         }
         if let Some((n, same, frac)) = s.agreement {
