@@ -17,6 +17,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
 use params::FcParams;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use variants::{KDType, KKind, KMask, Variant};
 
 static POISON: AtomicBool = AtomicBool::new(false);
@@ -481,7 +482,7 @@ fn decode(
     // stream would overwrite: the scratch stays locked until both grids are enqueued, so no
     // other call's launches come between this split grid and its combine.
     with_scratch(&stream, |scratch| {
-        let opp = grown(&mut scratch.part, &stream, n_lse * (kd + 1)).map_err(|e| {
+        let (opp, _keep) = grown(&mut scratch.part, &stream, n_lse * (kd + 1)).map_err(|e| {
             launch::err(
                 &symbol,
                 shape,
@@ -592,21 +593,23 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         None
     };
     let (op, _og) = o.device_ptr(&stream);
-    let (lp, _lg) = match &lse {
+    // `_lse_scratch` lives to the end of the call, after every launch that writes `lp`.
+    let (lp, _lg, _lse_scratch) = match &lse {
         Some(l) => {
             let (lp, g) = l.device_ptr(&stream);
-            (lp, Some(g))
+            (lp, Some(g), None)
         }
         None => {
             // written by the kernels, read by nobody: calls may share it
-            let lp = with_scratch(&stream, |s| grown(&mut s.lse, &stream, n_lse)).map_err(|e| {
-                launch::err(
-                    &symbol,
-                    &shape,
-                    format!("allocating {n_lse} f32 of LSE scratch: {e}"),
-                )
-            })?;
-            (lp, None)
+            let (lp, keep) =
+                with_scratch(&stream, |s| grown(&mut s.lse, &stream, n_lse)).map_err(|e| {
+                    launch::err(
+                        &symbol,
+                        &shape,
+                        format!("allocating {n_lse} f32 of LSE scratch: {e}"),
+                    )
+                })?;
+            (lp, None, Some(keep))
         }
     };
     if poison_on() {
@@ -839,7 +842,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         let pdl = device_info(dev)?.major == 9;
         check_seqlens(&stream, &check_prm, n_out, n_lse, &shape, pdl)?;
     }
-    drop((_og, _lg));
+    drop((_og, _lg, _lse_scratch));
     Ok((
         CudaStorage::wrap_cuda_slice(o, dev.clone()),
         lse.map(|l| CudaStorage::wrap_cuda_slice(l, dev.clone())),
@@ -858,10 +861,12 @@ struct StreamScratch {
     /// and a replayed CUDA graph finds it zeroed too.
     counter: Option<CudaSlice<i32>>,
     /// f32 scratch the kernels write and nobody returns: the LSE of a call that does not ask for
-    /// it, and the split-KV decode's partial O and LSE. Grows to the largest request (freed
-    /// stream-ordered, after the launches already issued that use it).
-    lse: Option<CudaSlice<f32>>,
-    part: Option<CudaSlice<f32>>,
+    /// it, and the split-KV decode's partial O and LSE. Grows to the largest request. A call
+    /// keeps a reference to the buffer it was given until its launches are enqueued, so a
+    /// buffer replaced by another thread's larger request is freed (stream-ordered) only after
+    /// them: the LSE scratch is taken without holding the lock through the launches.
+    lse: Option<Arc<CudaSlice<f32>>>,
+    part: Option<Arc<CudaSlice<f32>>>,
 }
 
 /// Runs `f` on `stream`'s scratch, holding the lock of every stream's scratch meanwhile (`f`
@@ -898,20 +903,24 @@ fn tile_counter(
     })
 }
 
-/// The device address of at least `n` f32 of a stream's scratch buffer `slot` (a field of
-/// `StreamScratch`), reallocated when smaller. Valid for launches issued on `stream` until the
-/// next request of the same buffer.
+/// At least `n` f32 of a stream's scratch buffer `slot` (a field of `StreamScratch`),
+/// reallocated when smaller: its device address and a reference that keeps it allocated. The
+/// caller holds the reference until its launches that use the address are enqueued on
+/// `stream`; a buffer replaced meanwhile is then freed on the stream after those launches
+/// (cudarc frees stream-ordered when the last reference drops).
 fn grown(
-    slot: &mut Option<CudaSlice<f32>>,
-    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    slot: &mut Option<Arc<CudaSlice<f32>>>,
+    stream: &Arc<cudarc::driver::CudaStream>,
     n: usize,
-) -> std::result::Result<u64, cudarc::driver::DriverError> {
+) -> std::result::Result<(u64, Arc<CudaSlice<f32>>), cudarc::driver::DriverError> {
     if slot.as_ref().is_none_or(|b| b.len() < n) {
-        // the old buffer's free is ordered on the stream after the launches that use it
-        *slot = Some(unsafe { stream.alloc::<f32>(n.max(1))? });
+        // SAFETY: scratch the kernels write before any read (nothing reads the LSE scratch;
+        // the combine reads only the partials its split grid wrote).
+        *slot = Some(Arc::new(unsafe { stream.alloc::<f32>(n.max(1))? }));
     }
-    let b = slot.as_ref().expect("set above");
-    Ok(b.device_ptr(stream).0)
+    let b = slot.clone().expect("set above");
+    let ptr = b.device_ptr(stream).0;
+    Ok((ptr, b))
 }
 
 /// The sm80 forward: grid (query blocks, heads, batch) without a mask, (heads, query blocks,
