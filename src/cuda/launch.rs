@@ -216,6 +216,12 @@ pub(crate) unsafe fn launch_pdl(
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
+    // FLASHCORE_NO_PDL=1: the same launch without the attribute, an ordinary stream-ordered
+    // launch (`griddepcontrol.wait` is then a no-op). A diagnostic for the concurrent-decode
+    // issue (README, "Known issue"); read once per process.
+    static NO_PDL: OnceLock<bool> = OnceLock::new();
+    let pdl =
+        !*NO_PDL.get_or_init(|| std::env::var_os("FLASHCORE_NO_PDL").is_some_and(|v| v != "0"));
     let config = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
@@ -226,7 +232,7 @@ pub(crate) unsafe fn launch_pdl(
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
         attrs: &mut attr,
-        numAttrs: 1,
+        numAttrs: u32::from(pdl),
     };
     // SAFETY: as the caller promises for `args`; `config` and its attribute outlive the call.
     let r = unsafe {
