@@ -955,18 +955,7 @@ fn paged_decode_from_threads() -> Result<()> {
         let (vl, pg, _) = paged_sharing(vl, page_size, &mut rng)?;
         let p = AttnParams::default();
         let tag = format!("threads case {t} page {page_size}");
-        let plain = |p: &AttnParams| {
-            flashcore::attention_paged_varlen(
-                &vl.q,
-                &pg.k_pages,
-                &pg.v_pages,
-                &pg.page_table,
-                &pg.seqlens_k,
-                &vl.cu_q_t,
-                vl.max_q,
-                p,
-            )
-        };
+        let plain = |p: &AttnParams| pg.run_varlen_o(&vl, p);
         check_packed(&tag, &vl, &p, &|p| pg.run_varlen(&vl, p), Some(&plain))?;
         let (o, lse) = pg.run_varlen(&vl, &p)?;
         cases.push((vl, pg, p, bits(&o)?, bits(&lse)?));
@@ -991,16 +980,7 @@ fn paged_decode_from_threads() -> Result<()> {
                             }
                             o
                         } else {
-                            flashcore::attention_paged_varlen(
-                                &vl.q,
-                                &pg.k_pages,
-                                &pg.v_pages,
-                                &pg.page_table,
-                                &pg.seqlens_k,
-                                &vl.cu_q_t,
-                                vl.max_q,
-                                p,
-                            )?
+                            pg.run_varlen_o(vl, p)?
                         };
                         let got = bits(&o)?;
                         if got != *o_want {

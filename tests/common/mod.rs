@@ -652,6 +652,21 @@ impl Paged {
         )
     }
 
+    /// `attention_paged_varlen` (O only, the LSE in flashcore's scratch) of `vl`'s packed
+    /// queries over this cache.
+    pub fn run_varlen_o(&self, vl: &Varlen, p: &AttnParams) -> Result<Tensor> {
+        flashcore::attention_paged_varlen(
+            &vl.q,
+            &self.k_pages,
+            &self.v_pages,
+            &self.page_table,
+            &self.seqlens_k,
+            &vl.cu_q_t,
+            vl.max_q,
+            p,
+        )
+    }
+
     /// `attention_paged_with_lse` of `vl`'s queries as a dense `(b, sq, hq, d)` batch (every
     /// sequence must have the same `sq`); O and LSE returned packed like the varlen call's.
     pub fn run_dense(&self, vl: &Varlen, p: &AttnParams) -> Result<(Tensor, Tensor)> {
