@@ -915,22 +915,19 @@ fn paged_attention() -> Result<()> {
     Ok(())
 }
 
-/// Paged decodes from several host threads at once on one device, so on one CUDA stream. The
-/// split-KV decode keeps its partials (and the LSE nobody returns) in a per-stream scratch: a
-/// call must hold it from its split grid to its combine, or another thread's split grid,
-/// enqueued in between, overwrites them (session 19 saw exactly that once in gpu_varlen's
-/// concurrent test threads). Each thread's problem (its own lengths, page size and head dim, so
-/// different split counts and scratch sizes) is first checked against the CPU reference alone;
-/// then four threads repeat their calls, with and without the LSE, and every output must equal
-/// the checked one bit for bit (the kernels are deterministic; outputs are poisoned before each
-/// call, so an unwritten element shows as well as a wrong one).
-///
-/// **Fails on the H100 as of session 20** (docs/perf.md, "Concurrent decodes on one stream"):
-/// whole sequences come out different within the first ~40 calls, in every run, with or
-/// without the scratch lock. `FC_THREADS_MODE=serial` (one thread at a time) and `mutex` (the
-/// threads take turns, call and readback) pass, and so does `FLASHCORE_SYNC=1`. So two calls'
-/// GPU work overlapping on the stream is what goes wrong. The cause is not found yet; this test
-/// is the reproducer.
+/// Paged decodes from several host threads at once on one device. candle's `CudaDevice::new`
+/// runs every host thread on its own per-thread default stream (one handle,
+/// `CU_STREAM_PER_THREAD`, a different stream per thread), so the threads' kernels run at the
+/// same time. flashcore's scratch (split-KV partials, the LSE nobody returns, the sm90 tile
+/// counter) must then be per thread: it was keyed by the stream handle alone until session 21,
+/// so the threads overwrote each other's partials and whole sequences came out wrong in every
+/// run on the H100/H200 (docs/perf.md, "Concurrent decodes"). Each thread's problem (its own
+/// lengths, page size and head dim, so different split counts and scratch sizes) is first
+/// checked against the CPU reference alone; then four threads repeat their calls, with and
+/// without the LSE, and every output must equal the checked one bit for bit (the kernels are
+/// deterministic; outputs are poisoned before each call, so an unwritten element shows as well
+/// as a wrong one). `FC_THREADS_MODE=serial` (one thread at a time) and `mutex` (the threads
+/// take turns, call and readback) are the controls.
 #[test]
 fn paged_decode_from_threads() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };

@@ -217,8 +217,7 @@ pub(crate) unsafe fn launch_pdl(
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
     // FLASHCORE_NO_PDL=1: the same launch without the attribute, an ordinary stream-ordered
-    // launch (`griddepcontrol.wait` is then a no-op). A diagnostic for the concurrent-decode
-    // issue (README, "Known issue"); read once per process.
+    // launch (`griddepcontrol.wait` is then a no-op). For debugging; read once per process.
     static NO_PDL: OnceLock<bool> = OnceLock::new();
     let pdl =
         !*NO_PDL.get_or_init(|| std::env::var_os("FLASHCORE_NO_PDL").is_some_and(|v| v != "0"));

@@ -863,31 +863,52 @@ struct StreamScratch {
     /// f32 scratch the kernels write and nobody returns: the LSE of a call that does not ask for
     /// it, and the split-KV decode's partial O and LSE. Grows to the largest request. A call
     /// keeps a reference to the buffer it was given until its launches are enqueued, so a
-    /// buffer replaced by another thread's larger request is freed (stream-ordered) only after
-    /// them: the LSE scratch is taken without holding the lock through the launches.
+    /// buffer replaced by another call's larger request (another host thread's, on a stream
+    /// several threads share) is freed (stream-ordered) only after them: the LSE scratch is
+    /// taken without holding the lock through the launches.
     lse: Option<Arc<CudaSlice<f32>>>,
     part: Option<Arc<CudaSlice<f32>>>,
 }
 
-/// Runs `f` on `stream`'s scratch, holding the lock of every stream's scratch meanwhile (`f`
-/// must not call this again: the lock is not re-entrant).
+/// Runs `f` on `stream`'s scratch (`f` must not call this again: not re-entrant).
+///
+/// The scratch belongs to one CUDA stream of one context, so that a call's kernels and every
+/// other call that uses the same buffers are ordered on that stream. A stream handle alone does
+/// not name a stream: candle's `CudaDevice::new` runs on the per-thread default stream, handle
+/// `CU_STREAM_PER_THREAD`, which is a different stream in every host thread, and handles repeat
+/// across devices. So the per-thread stream's scratch is thread-local (one per context), and
+/// other streams' scratch is keyed by (context, handle) behind a lock. Before, one scratch per
+/// handle was shared by every thread: the kernels of calls made from two threads ran at once on
+/// their two streams and wrote each other's split-KV partials and sm90 tile counter
+/// (tests/gpu_varlen.rs `paged_decode_from_threads`, docs/perf.md session 21).
 fn with_scratch<R>(
     stream: &std::sync::Arc<cudarc::driver::CudaStream>,
     f: impl FnOnce(&mut StreamScratch) -> R,
 ) -> R {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
-    // keyed by stream handle; the Arc keeps the stream (and so its handle) alive
-    type Map = HashMap<usize, (std::sync::Arc<cudarc::driver::CudaStream>, StreamScratch)>;
+    // the Arc keeps the stream and its context (and so both handles) alive
+    type Map = HashMap<(usize, usize), (std::sync::Arc<cudarc::driver::CudaStream>, StreamScratch)>;
+    /// `CU_STREAM_PER_THREAD` (cuda.h)
+    const PER_THREAD: usize = 0x2;
+    let key = (
+        stream.context().cu_ctx() as usize,
+        stream.cu_stream() as usize,
+    );
+    let fresh = || (stream.clone(), StreamScratch::default());
+    if key.1 == PER_THREAD {
+        thread_local! {
+            // dropped at thread exit, on that thread: its buffers are freed on its own stream
+            static MINE: std::cell::RefCell<Map> = Default::default();
+        }
+        return MINE.with(|m| f(&mut m.borrow_mut().entry(key).or_insert_with(fresh).1));
+    }
     static C: OnceLock<Mutex<Map>> = OnceLock::new();
     let mut map = C
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    let entry = map
-        .entry(stream.cu_stream() as usize)
-        .or_insert_with(|| (stream.clone(), StreamScratch::default()));
-    f(&mut entry.1)
+    f(&mut map.entry(key).or_insert_with(fresh).1)
 }
 
 /// The device address of `stream`'s tile counter for the sm90 dynamic schedule (`StreamScratch`).
