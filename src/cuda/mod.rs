@@ -849,8 +849,8 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     ))
 }
 
-/// Device memory kept per stream for the process's life, keyed by stream handle (an entry
-/// keeps its stream alive, so a handle is never reused while it is in the map). Kernels on one
+/// Device memory kept per stream (`with_scratch`: per host thread for the per-thread default
+/// stream, for the process's life otherwise; an entry keeps its stream alive). Kernels on one
 /// stream run one after another, so each launch can use the same buffers as the last one.
 #[derive(Default)]
 struct StreamScratch {
