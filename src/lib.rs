@@ -31,7 +31,8 @@
 //! included). Lengths may be 0 on either side. On the CPU the sums are fully checked (start at 0,
 //! non-decreasing, end at the row counts, every length within `max_seqlen_*`); on a GPU that would
 //! need a device sync, so the kernels clamp every range into the tensors (never reading or writing
-//! outside them) and a check kernel fills the whole output and LSE with NaN if the sums lie.
+//! outside them) and a check on the device (a kernel after the attention, or the split-KV
+//! combine) fills the whole output and LSE with NaN if the sums lie.
 //!
 //! ## Head dims
 //! Every multiple of 8 up to 256 runs everywhere. The GPU kernels are compiled for 64, 128 and
@@ -170,11 +171,11 @@ pub fn attention_varlen_with_lse(
 /// Checks: on the CPU every table value is checked on the host (a page id outside the pool, or a
 /// length beyond the table, is an error naming the argument). On a GPU reading the tables would
 /// cost a device sync: the kernels clamp every page id into the pool and every length into the
-/// table, so nothing outside the pools is ever read, and a check kernel fills the whole output
-/// (and LSE) with NaN when a table lies. On the GPU, `seq_q <= 16` (decode) reads K/V through the
+/// table, so nothing outside the pools is ever read, and the rows (O and LSE) of a sequence whose
+/// table lies are filled with NaN (the other sequences' rows are unaffected). On the GPU, `seq_q <= 16` (decode) reads K/V through the
 /// page table inside the split-KV kernel. Longer queries on sm_90 run the prefill kernels on the
 /// pool through the page table (TMA boxes of up to the page size, each inside one page) when the
-/// page size is a power of two of at least 64 rows; otherwise (smaller or odd pages, sm_80-class
+/// page size is a power of two of at least 32 rows; otherwise (smaller or odd pages, sm_80-class
 /// GPUs, softcap or ALiBi below d256) the pages are first gathered into a dense scratch (one copy
 /// of the batch's keys, `batch * max_pages_per_seq * page_size` rows).
 pub fn attention_paged(

@@ -574,8 +574,8 @@ fn check_cu(name: &str, t: &Tensor, anchor: (&str, &Tensor)) -> candle_core::Res
 /// `(batch, seq_q, heads_q, d)` or, with `packed_q = Some((cu_seqlens_q, max_seqlen_q))`, packed
 /// `(total_q, heads_q, d)`. What needs the tables' values (page ids within the pool, lengths
 /// within the table) is checked here only on the CPU ([`check_pages`]); on a GPU the kernels
-/// clamp every page id into the pool and every length into the table, and the check kernel turns
-/// the output into NaN if they lie.
+/// clamp every page id into the pool and every length into the table, and the device-side check
+/// turns the rows of a sequence whose table lies into NaN.
 pub(crate) fn validate_paged(
     q: &Tensor,
     k_pages: &Tensor,

@@ -510,7 +510,13 @@ fn lying_seqlens_give_nan() -> Result<()> {
     let decode = vec![(1, 90), (0, 3), (16, 120), (1, 30), (4, 20)];
     let mut n = 0;
     let mut outcome = Ok(());
-    for (shape, lens) in [("prefill", &prefill), ("decode", &decode)] {
+    // split-KV decode (longer keys): the combine checks the prefix sums itself
+    let split = vec![(1, 3000), (0, 3), (1, 1200), (1, 30), (1, 2000)];
+    for (shape, lens) in [
+        ("prefill", &prefill),
+        ("decode", &decode),
+        ("split decode", &split),
+    ] {
         for (dtype, opts) in [(DType::BF16, 0), (DType::F16, 4)] {
             let vl = Varlen::random(lens, 8, 2, 64, dtype, false, &dev)?;
             let p = options(&dev, opts, Mask::Causal, lens.len(), 8)?;
@@ -1082,8 +1088,10 @@ fn paged_prefill_through_the_page_table() -> Result<()> {
 }
 
 /// Tables that lie on the GPU: a page id outside the pool, a length beyond the table. The
-/// kernels clamp (no out-of-bounds read) and the check turns the whole output into NaN; a normal
-/// problem afterwards is still right. Poisoning off, so the NaN comes from the check.
+/// kernels clamp (no out-of-bounds read), and the check (the check kernel, or the split-KV
+/// combine) turns the lying sequence's rows of O and LSE into NaN; the other sequences' rows are
+/// bit for bit those of the honest call. A normal problem afterwards is still right. Poisoning
+/// off, so the NaN comes from the check.
 #[test]
 fn paged_lying_tables_give_nan() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -1091,9 +1099,12 @@ fn paged_lying_tables_give_nan() -> Result<()> {
     set_poison_outputs(false);
     let mut rng = Rng::from_clock("paged_lies");
     let mut outcome = Ok(());
-    // pages of 16 (prefill: gathered) and 64 (sm90 prefill: read through the table in-kernel)
+    // pages of 16 (prefill: gathered) and 64 (sm90 prefill: read through the table in-kernel);
+    // decodes with split-KV (keys of 700: the combine checks the tables) and without (a table
+    // of 208 keys: one split, the check kernel)
     for (shape, lens, page_size) in [
         ("decode", vec![(1, 90), (1, 3), (1, 700)], 16),
+        ("decode, one split", vec![(1, 90), (1, 3), (1, 200)], 16),
         ("prefill", vec![(40, 90), (0, 3), (120, 700)], 16),
         ("decode p64", vec![(1, 90), (1, 3), (1, 700)], 64),
         ("prefill p64", vec![(40, 90), (0, 3), (120, 700)], 64),
@@ -1101,6 +1112,7 @@ fn paged_lying_tables_give_nan() -> Result<()> {
         let vl = Varlen::random(&lens, 8, 2, 64, DType::BF16, false, &dev)?;
         let pg = Paged::from_varlen(&vl, page_size, 0, &mut rng)?;
         let p = options(&dev, 0, Mask::Causal, lens.len(), 8)?;
+        let (o_good, lse_good) = pg.run_varlen(&vl, &p)?;
         let mut bad_page = pg.clone();
         let mut t = pg.table.clone();
         t[pg.max_pages] = pg.num_pages as u32 + 5; // sequence 1's first (used) page
@@ -1109,18 +1121,46 @@ fn paged_lying_tables_give_nan() -> Result<()> {
         let mut l: Vec<u32> = lens.iter().map(|x| x.1 as u32).collect();
         l[2] = (pg.max_pages * page_size + 1) as u32;
         bad_len.seqlens_k = Tensor::new(l.as_slice(), &dev)?;
-        for (lie, g) in [
-            ("page id outside the pool", &bad_page),
-            ("length beyond the table", &bad_len),
+        for (lie, g, liar) in [
+            ("page id outside the pool", &bad_page, 1),
+            ("length beyond the table", &bad_len, 2),
         ] {
             let (o, lse) = g.run_varlen(&vl, &p)?;
-            let o = o.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-            let nan = non_finite(&o)?;
-            let all = o.elem_count();
-            let lnan = non_finite(&lse.to_device(&Device::Cpu)?)?;
-            println!("{shape}: {lie}: {nan}/{all} NaN in O, {lnan} in LSE");
-            if nan != all || lnan != lse.elem_count() {
-                outcome = Err(Error::Msg(format!("{shape}: {lie}: only {nan}/{all} NaN")));
+            // per sequence: O rows (total_q, hq, d) and LSE columns (hq, total_q)
+            for j in 0..lens.len() {
+                let (r0, n) = (vl.cu_q[j] as usize, lens[j].0);
+                if n == 0 {
+                    continue; // no rows (and an empty CUDA tensor's cast fails to launch)
+                }
+                let o_j = o.narrow(0, r0, n)?;
+                let lse_j = lse.narrow(1, r0, n)?;
+                let (nan, lnan) = (non_finite(&o_j)?, non_finite(&lse_j)?);
+                let verdict = if j == liar {
+                    // the lying sequence: every row NaN
+                    (nan == o_j.elem_count() && lnan == lse_j.elem_count()).then_some("all NaN")
+                } else {
+                    // the others: exactly the honest call's rows
+                    let same = |a: &Tensor, b: &Tensor| -> Result<bool> {
+                        let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+                        let a = a.flatten_all()?.to_vec1::<f32>()?;
+                        let b = b.flatten_all()?.to_vec1::<f32>()?;
+                        Ok(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()))
+                    };
+                    (same(&o_j, &o_good.narrow(0, r0, n)?)?
+                        && same(&lse_j, &lse_good.narrow(1, r0, n)?)?)
+                    .then_some("as the honest call")
+                };
+                println!(
+                    "{shape}: {lie} (sequence {liar}): sequence {j}: {nan} NaN in O, {lnan} in LSE: {}",
+                    verdict.unwrap_or("WRONG")
+                );
+                if verdict.is_none() {
+                    outcome = Err(Error::Msg(format!(
+                        "{shape}: {lie} (sequence {liar}): sequence {j} has {nan}/{} NaN in O, {lnan}/{} in LSE",
+                        o_j.elem_count(),
+                        lse_j.elem_count()
+                    )));
+                }
             }
         }
     }

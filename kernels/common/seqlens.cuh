@@ -17,8 +17,8 @@ __device__ __forceinline__ int clamp_i(int x, int lo, int hi) { return x < lo ? 
 
 // Sequence bi. Varlen: rows cu[bi]..cu[bi+1] of the packed tensors, clamped into the tensors
 // ([0, total]) and to the grid's bound (p.sq / p.sk = max_seqlen), so whatever the prefix sums
-// hold, no kernel reads or writes outside its buffers (a lying table is caught by the check
-// kernel, fc_check_seqlens, which turns the whole output into NaN).
+// hold, no kernel reads or writes outside its buffers (a lying table is caught by
+// fc::tables_lie, in fc_check_seqlens or the split-KV combine, which turn the output into NaN).
 __device__ __forceinline__ SeqRange seq_range(const FcParams& p, int bi) {
     SeqRange r;
     if (p.cu_seqlens_q != nullptr) {
@@ -46,8 +46,8 @@ __device__ __forceinline__ SeqRange seq_range(const FcParams& p, int bi) {
 // Paged caches (p.page_table set): k/v are pools of p.total_k / p.page_size pages of p.page_size
 // rows, batch stride = page stride; sequence bi's key j is row j % page_size of page
 // page_table[bi * page_table_stride + j / page_size]. The page id is clamped into the pool, so a
-// lying table reads a wrong row of the pool, never outside it (the check kernel turns the output
-// into NaN). `key` < seq_range(p, bi).sk <= p.sk = page_table_stride * page_size.
+// lying table reads a wrong row of the pool, never outside it (fc::tables_lie: that sequence's
+// output becomes NaN). `key` < p.sk = the table's width in keys <= page_table_stride * page_size.
 __device__ __forceinline__ int page_of(const FcParams& p, int bi, int key, int& slot) {
     const int ps = p.page_size;
     const int j = key / ps;
@@ -74,30 +74,14 @@ __device__ __forceinline__ float alibi_slope_units(const FcParams& p, int bi, in
     return __ldg(p.alibi_slopes + (int64_t)bi * p.alibi_batch_stride + h) / unit;
 }
 
-}  // namespace fc
-
-// Checks the tables of a varlen or paged launch and, if they lie, fills O (n_o 16-bit words,
-// contiguous) and LSE (n_lse f32) with NaN. Prefix sums (block 0): first 0, monotone, last ==
-// total, every length <= max_seqlen, for q and k. Paged (block i checks sequence i): the length
-// seqused_k[i] within the table (<= p.sk) and every page it uses within the pool. Launched after
-// the attention kernel on the same stream, so rows the attention could not place are NaN too.
-// Costs no host sync. Grid (b) with a page table, else (1); 256 threads. On sm_90 the host
-// launches it as a programmatic dependent (the tables are read before griddepcontrol.wait).
-#ifndef FC_NO_SHARED_KERNELS  // defined by dev/ harnesses whose other translation units hold it
-extern "C" __global__ void __launch_bounds__(256) fc_check_seqlens(const FcParams p, uint64_t n_o, uint64_t n_lse) {
+// The tables' checks, shared by fc_check_seqlens and the split-KV combine. Each returns the
+// calling thread's share of the verdict (work strided over the block's threads); OR it over the
+// block (__syncthreads_or).
+// Prefix sums (q and k): first 0, monotone, last == total, every length <= max_seqlen. A lie
+// here turns the whole output into NaN (rows may have gone to other sequences' places).
+__device__ __forceinline__ bool prefix_sums_lie(const FcParams& p) {
     bool bad = false;
-    if (p.page_table != nullptr) {
-        const int bi = blockIdx.x;
-        const int len = p.seqused_k[bi];
-        bad |= len < 0 || len > p.sk;
-        const int used = (min(max(len, 0), p.sk) + p.page_size - 1) / p.page_size;
-        const int np = p.total_k / p.page_size;
-        for (int j = threadIdx.x; j < used; j += blockDim.x) {
-            const int page = p.page_table[(int64_t)bi * p.page_table_stride + j];
-            bad |= page < 0 || page >= np;
-        }
-    }
-    for (int i = threadIdx.x; blockIdx.x == 0 && i <= p.b; i += blockDim.x) {
+    for (int i = threadIdx.x; i <= p.b; i += blockDim.x) {
         if (p.cu_seqlens_q != nullptr) {
             const int a = p.cu_seqlens_q[i];
             if (i == 0) bad |= a != 0;
@@ -117,14 +101,59 @@ extern "C" __global__ void __launch_bounds__(256) fc_check_seqlens(const FcParam
             }
         }
     }
-    if (!__syncthreads_or(bad)) return;
+    return bad;
+}
+// Paged sequence bi: its length seqused_k[bi] within the table (<= p.sk) and every page it uses
+// within the pool. A lie here turns that sequence's rows into NaN (it read only its own pages,
+// clamped into the pool; the other sequences' rows are right).
+__device__ __forceinline__ bool pages_lie(const FcParams& p, int bi) {
+    if (p.page_table == nullptr) return false;
+    const int len = p.seqused_k[bi];
+    bool bad = len < 0 || len > p.sk;
+    const int used = (min(max(len, 0), p.sk) + p.page_size - 1) / p.page_size;
+    const int np = p.total_k / p.page_size;
+    for (int j = threadIdx.x; j < used; j += blockDim.x) {
+        const int page = p.page_table[(int64_t)bi * p.page_table_stride + j];
+        bad |= page < 0 || page >= np;
+    }
+    return bad;
+}
+
+}  // namespace fc
+
+// Checks the tables of a varlen or paged launch (fc::prefix_sums_lie, fc::pages_lie) and writes
+// NaN where they lie: the whole O (n_o 16-bit words, contiguous) and LSE (n_lse f32) when the
+// prefix sums lie (block 0 checks them), sequence i's rows of O and LSE when its length or pages
+// lie (block i). Launched after the attention kernel on the same stream, so rows the attention
+// could not place are NaN too. Costs no host sync. Grid (b) with a page table, else (1); 256
+// threads. On sm_90 the host launches it as a programmatic dependent (the tables are read before
+// griddepcontrol.wait). Split-KV decodes with p.combine_checks do the same checks in the combine.
+#ifndef FC_NO_SHARED_KERNELS  // defined by dev/ harnesses whose other translation units hold it
+extern "C" __global__ void __launch_bounds__(256) fc_check_seqlens(const FcParams p, uint64_t n_o, uint64_t n_lse) {
+    const int bi = blockIdx.x;
+    const bool all = __syncthreads_or(bi == 0 && fc::prefix_sums_lie(p));
+    const bool mine = __syncthreads_or(fc::pages_lie(p, bi));
+    if (!all && !mine) return;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // launched as a programmatic dependent of the attention kernel (sm_90): the tables are
     // inputs and were read above; O and LSE only once that kernel has finished
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
     uint16_t* o = reinterpret_cast<uint16_t*>(p.o);
-    for (uint64_t i = threadIdx.x; i < n_o; i += blockDim.x) o[i] = 0x7FFF;
-    for (uint64_t i = threadIdx.x; i < n_lse; i += blockDim.x) p.lse[i] = __int_as_float(0x7FC00000);
+    if (all) {
+        for (uint64_t i = threadIdx.x; i < n_o; i += blockDim.x) o[i] = 0x7FFF;
+        for (uint64_t i = threadIdx.x; i < n_lse; i += blockDim.x) p.lse[i] = __int_as_float(0x7FC00000);
+        return;
+    }
+    // sequence bi's rows (clamped into the output by seq_range), every head, the d columns
+    const fc::SeqRange sr = fc::seq_range(p, bi);
+    const int64_t per_row = (int64_t)p.hq * p.d;
+    for (int64_t x = threadIdx.x; x < (int64_t)sr.sq * per_row; x += blockDim.x) {
+        const int i = (int)(x / per_row), h = (int)(x % per_row / p.d), c = (int)(x % p.d);
+        o[(int64_t)bi * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride + (int64_t)h * p.o_head_stride + c] =
+            0x7FFF;
+    }
+    for (int x = threadIdx.x; x < sr.sq * p.hq; x += blockDim.x)
+        fc::lse_ptr(p, bi, x / sr.sq, sr.q0)[x % sr.sq] = __int_as_float(0x7FC00000);
 }
 #endif  // FC_NO_SHARED_KERNELS

@@ -52,6 +52,9 @@
 //   Combine kernel FC_SM80_COMBINE(SYMBOL, T, HEAD_DIM)   (only when num_splits > 1):
 //     grid  = (b * hq * sq, 1, 1), block = (256, 1, 1), dynamic smem = 0 (4.1 KB static).
 //     Reads p.num_splits, o_partial, lse_partial; writes O (T, strides) and LSE (natural log).
+//     p.combine_checks = 1: also checks the tables as fc_check_seqlens does (fc::prefix_sums_lie,
+//     fc::pages_lie; before griddepcontrol.wait) and writes NaN rows where they lie, so no check
+//     kernel need follow.
 //   Optional (sm_90): launch the combine with cudaLaunchAttributeProgrammaticStreamSerialization
 //   (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 1) to hide its launch latency: the split
 //   kernel executes griddepcontrol.launch_dependents at entry, the combine griddepcontrol.wait before
@@ -325,7 +328,9 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
 
     // Paged: the page and slot of one row per lane for the next tile, looked up one tile ahead
-    // so that the page-table read's latency hides behind a tile's copy (see load_tile).
+    // so that the page-table read's latency hides behind a tile's copy (see load_tile). Rows are
+    // looked up within the table's width (p.sk), not the sequence's length: the lookup does not
+    // wait for seqused_k (rows past the length are not copied).
     int pf_tile = -1, pf_page = 0, pf_slot = 0;
     auto lookup = [&](int t, int& page, int& slot) {
         constexpr int TPR = 32 / CPR, ITERS = BN * CPR / THREADS;
@@ -333,9 +338,16 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         slot = 0;
         if (lane < TPR * ITERS) {
             const int key = t * BN + warp * TPR + (lane % TPR) + (THREADS / CPR) * (lane / TPR);
-            if (key < sk) page = fc::page_of(p, bb, key, slot);
+            if (key < p.sk) page = fc::page_of(p, bb, key, slot);
         }
     };
+    // Per-row pages with fixed splits: the split's first tile is known without the sequence's
+    // length, so its lookup goes out beside the seqused_k read instead of after it (at b1, with
+    // the tables in DRAM, one dependent DRAM round trip less in front of the first copy).
+    if (paged && !whole_pages && fixed_splits && t_first < (p.sk + BN - 1) / BN) {
+        lookup(t_first, pf_page, pf_slot);
+        pf_tile = t_first;
+    }
     // Pages of whole tiles: the element offsets of this thread's first K and V row of tile t
     // (`ko`, `vo`, from the pools' head base kg / vg), advancing the warp's page ids as needed;
     // those of the tile after the last one loaded are kept in nx_*.
@@ -673,8 +685,6 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
     static_assert(THREADS % CH == 0, "combine layout");
     __shared__ float4 s_acc[G][CH];
     __shared__ float s_m[G], s_l[G];
-    pdl_wait();  // no-op unless launched as a programmatic dependent of the split kernel
-    pdl_launch_dependents();  // the varlen / paged check kernel may start (it waits to write)
 
     const int tid = threadIdx.x, c = tid % CH, gi = tid / CH;
     const int64_t rows = (int64_t)p.b * p.hq * p.sq;
@@ -683,8 +693,36 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
     const int i = (int)(row % sq);
     const int h = (int)((row / sq) % hq);
     const int bb = (int)(row / ((int64_t)sq * hq));
+    // The tables are inputs, read before the wait (in the split grid's shadow). p.combine_checks:
+    // this grid gives fc_check_seqlens's verdict (the host then launches none): NaN in the whole
+    // output when the prefix sums lie (block 0 fills every element of the contiguous O and LSE,
+    // rows no block owns included), in this sequence's rows when its length or pages lie.
     const fc::SeqRange sr = fc::seq_range(p, bb);
-    if (i >= sr.sq) return;  // past the end of a shorter sequence (varlen): no such row
+    bool lie = false;
+    if (p.combine_checks != 0) {
+        const bool all = __syncthreads_or(fc::prefix_sums_lie(p));
+        lie = all || (i < sr.sq && __syncthreads_or(fc::pages_lie(p, bb)));  // block-uniform
+        if (all && blockIdx.x == 0) {
+            pdl_wait();
+            const int64_t n_rows = p.cu_seqlens_q != nullptr ? (int64_t)p.total_q : (int64_t)p.b * p.sq;
+            uint16_t* o16 = static_cast<uint16_t*>(p.o);
+            for (int64_t x = tid; x < n_rows * p.hq * p.d; x += THREADS) o16[x] = 0x7FFF;
+            for (int64_t x = tid; x < n_rows * p.hq; x += THREADS) p.lse[x] = __int_as_float(0x7FC00000);
+        }
+    }
+    if (i >= sr.sq) {  // past the end of a shorter sequence (varlen): no such row
+        pdl_launch_dependents();
+        return;
+    }
+    pdl_wait();  // no-op unless launched as a programmatic dependent of the split kernel
+    pdl_launch_dependents();  // the varlen / paged check kernel may start (it waits to write)
+    if (lie) {
+        T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
+                (int64_t)h * p.o_head_stride;
+        for (int x = tid; x < p.d; x += THREADS) reinterpret_cast<uint16_t*>(od)[x] = 0x7FFF;
+        if (tid == 0) fc::lse_ptr(p, bb, h, sr.q0)[i] = __int_as_float(0x7FC00000);
+        return;
+    }
     const int ns = p.num_splits;
     const float* lp = p.lse_partial + row;
     const float* op = p.o_partial + row * D + c * 4;

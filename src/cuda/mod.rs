@@ -425,7 +425,8 @@ pub fn decode_num_splits(
 }
 
 /// Split-KV decode: the split kernel writes O/LSE directly (one split) or f32 partials that the
-/// combine kernel merges by their LSE.
+/// combine kernel merges by their LSE. Returns whether the combine checked the tables
+/// (`combine_checks`: then no `fc_check_seqlens` need follow).
 fn decode(
     dev: &CudaDevice,
     p: &Problem,
@@ -433,7 +434,7 @@ fn decode(
     mut prm: FcParams,
     f: &cudarc::driver::CudaFunction,
     shape: launch::Shape,
-) -> Result<()> {
+) -> Result<bool> {
     let symbol = variants::symbol(variant);
     let stream = dev.cuda_stream();
     let info = device_info(dev)?;
@@ -463,8 +464,15 @@ fn decode(
         shared_mem_bytes: variant.smem_bytes(),
     };
     if splits == 1 {
-        return launch::launch_params(&stream, f, cfg, &prm, &symbol, shape);
+        launch::launch_params(&stream, f, cfg, &prm, &symbol, shape)?;
+        return Ok(false);
     }
+    // A packed or paged batch's combine checks the tables itself (one check kernel launch less:
+    // 1-2 us of a b1 / b8 decode on the H200, docs/perf.md session 21), for batches whose
+    // prefix sums one pass of its 256 threads reads.
+    let tables = !matches!(p.seqs, Seqs::Dense) || matches!(p.keys, Keys::Paged { .. });
+    let checks = tables && p.b <= 256;
+    prm.combine_checks = i32::from(checks);
     let n_lse = splits * p.b * p.hq * p.sq;
     // One allocation for both partials (O first: n_lse rows of the kernel's head dim, which the
     // kernel writes whole even when p.d is smaller, 16-byte aligned; then LSE).
@@ -508,7 +516,8 @@ fn decode(
         } else {
             launch::launch_params(&stream, &cf, ccfg, &prm, &csym, &cshape)
         }
-    })
+    })?;
+    Ok(checks)
 }
 
 /// Runs the forward on CUDA storages; returns O and, when `want_lse`, the LSE (otherwise the
@@ -703,7 +712,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         window_left: wl.map_or(-1, |x| x.min(i32::MAX as usize) as i32),
         window_right: wr.map_or(-1, |x| x.min(i32::MAX as usize) as i32),
         num_splits: 1,
-        _pad: 0,
+        combine_checks: 0,
         tile_counter: 0,
     };
     // The check kernel reads the tables as the caller gave them (page table included).
@@ -713,7 +722,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     // sequence (Keys::Used). Paged decode reads through the page table in the kernel.
     //
     // On sm90 the forward kernels read the pool through the page table themselves, box by box
-    // (`Variant::page_box`: power-of-two pages, boxes of at least 64 rows); FLASHCORE_PAGED_GATHER=1
+    // (`Variant::page_box`: power-of-two pages, boxes of at least 32 rows); FLASHCORE_PAGED_GATHER=1
     // gathers there too (an A/B aid).
     let page_box = if paged_gather_forced() {
         None
@@ -737,7 +746,8 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     let symbol = variants::symbol(variant);
     let smem = variant.smem_bytes();
     let f = launch::function(&stream, variant.family, &symbol, smem, &shape)?;
-    match variant.kind {
+    // whether the kernels checked the tables themselves (the split-KV combine)
+    let checked = match variant.kind {
         KKind::Fwd if variant.family == "sm90" => {
             // (batch, row, head) strides in elements. Packed operands are one batch entry of
             // `total` rows (the kernel's batch coordinate is 0 for them).
@@ -834,11 +844,15 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
                 )
             })?;
             launch::check_sync(&stream, &symbol, &shape)?;
+            false
         }
-        KKind::Fwd => sm80_fwd(p, variant, prm, &f, &stream, &symbol, &shape)?,
+        KKind::Fwd => {
+            sm80_fwd(p, variant, prm, &f, &stream, &symbol, &shape)?;
+            false
+        }
         KKind::Decode => decode(dev, p, variant, prm, &f, &shape)?,
-    }
-    if varlen_q || paged {
+    };
+    if (varlen_q || paged) && !checked {
         let pdl = device_info(dev)?.major == 9;
         check_seqlens(&stream, &check_prm, n_out, n_lse, &shape, pdl)?;
     }

@@ -53,7 +53,8 @@ pub struct FcParams {
     pub window_left: i32,
     pub window_right: i32,
     pub num_splits: i32,
-    pub _pad: i32,
+    /// 1: the split-KV combine checks the tables itself (no `fc_check_seqlens` after it).
+    pub combine_checks: i32,
     /// sm90 forward: zeroed i32 for the dynamic tile schedule, or 0 (static).
     pub tile_counter: u64,
 }
