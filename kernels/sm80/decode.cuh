@@ -66,8 +66,9 @@
 //   p.scale_log2, p.window_*; p.softcap > 0 caps the scores (fc::softcap_tanh); p.alibi_slopes adds
 //   the ALiBi bias (runtime branch per 16-key step, as softcap); p.d <= HEAD_DIM (columns beyond it
 //   zero-filled, never stored). Paged caches (p.page_table): K/V rows through fc::paged_row
-//   (common/seqlens.cuh), page by page per row; pages of whole tiles (page_size % BLOCK_N == 0)
-//   one page per warp and tile, the page ids read 32 at a time ahead of use (no window); paged
+//   (common/seqlens.cuh), page by page per row; pages holding a warp's rows of a tile (page_size
+//   a multiple of BLOCK_N / WARPS; smaller than a tile: the rows dealt out by warp) one page per
+//   warp and tile, the page ids read 32 at a time ahead of use (no window); paged
 //   splits without a window cut the table's key range p.sk. Sequences through fc::seq_range (dense or varlen; the grid and the
 //   partial layout use p.sq = max_seqlen_q, row blocks past a shorter sequence exit and the combine
 //   skips its rows).
@@ -170,6 +171,8 @@ __device__ __forceinline__ int swz(int row, int chunk) {
     return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
+template <int N> struct IntC { static constexpr int value = N; };
+
 __device__ __forceinline__ int clampi(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
 // ---------------------------------------------------------------- split kernel
@@ -224,7 +227,18 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     // tile's copies returns after them when DRAM is saturated, and b8 ran 0.94-0.95x the
     // contiguous cache.) The first read does not wait for the sequence length (`fixed_splits`).
     // Windowed kernels take the per-row path (with these registers d128 spilled 36-48 B).
-    const bool whole_pages = fixed_splits && p.page_size % BN == 0;
+    // Pages smaller than a tile (16, 32, 48 ...: any multiple of the BN / W rows a warp copies)
+    // take this path too, with the tile's rows dealt out by warp (`warp_rows`): warp w copies
+    // rows [w * BN / W, (w + 1) * BN / W) of the tile, which lie in one page, so the warp looks
+    // up one page per tile instead of one per row (the per-row path's shuffles and 64-bit
+    // address arithmetic per row pass; b64 x 4k at pages of 16 ran 0.945x the contiguous cache
+    // on the H200 that way, session 21).
+    constexpr int RW = BN / W;  // a warp's rows of a tile when they are dealt out by warp
+    const bool whole_pages = fixed_splits && p.page_size % RW == 0;
+    const bool warp_rows = p.page_size % BN != 0;
+    // this thread's first row of a tile (paged, whole pages; rows then every 32 / CPR with
+    // `warp_rows`, every THREADS / CPR otherwise)
+    auto row_first = [&]() { return warp_rows ? warp * RW + lane / CPR : tid / CPR; };
     const int last_page = paged ? p.total_k / p.page_size - 1 : 0;
     int pg_base = 0, pg_cur = 0, pg_nxt = 0;
     auto read_pages = [&](int j) {  // page id j of the sequence (0 past the table's row)
@@ -235,7 +249,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     if (whole_pages) {
         // the split's first page (its first tile as `tps` below, before any use of sk)
         const int tps0 = ((p.sk + BN - 1) / BN + nsplit - 1) / nsplit;
-        pg_base = split * tps0 * (BN / 16) / (p.page_size / 16);
+        pg_base = split * tps0 * BN / p.page_size;
         pg_cur = read_pages(pg_base + lane);
         pg_nxt = read_pages(pg_base + 32 + lane);
     }
@@ -354,14 +368,14 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     int nx_t = -1;
     int64_t nx_ko = 0, nx_vo = 0;
     auto page_offsets = [&](int t, int64_t& ko, int64_t& vo) {
-        const int j = t * (BN / 16) / (p.page_size / 16);
-        while (j >= pg_base + 32) {  // tiles come in order (a page per tile at most)
+        const int j = (t * BN + (warp_rows ? warp * RW : 0)) / p.page_size;  // the warp's page
+        while (j >= pg_base + 32) {  // tiles come in order (BN / RW pages per tile at most)
             pg_base += 32;
             pg_cur = pg_nxt;
             pg_nxt = read_pages(pg_base + 32 + lane);
         }
         const int64_t page = __shfl_sync(0xffffffffu, pg_cur, j - pg_base);  // j - pg_base < 32
-        const int slot = t * BN - j * p.page_size + tid / CPR;
+        const int slot = t * BN - j * p.page_size + row_first();
         ko = page * p.k_batch_stride + (int64_t)slot * ksr;
         vo = page * p.v_batch_stride + (int64_t)slot * vsr;
     };
@@ -372,8 +386,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         const int row0 = tid / CPR;
         const int key0 = t * BN + row0;
         if (whole_pages) {
-            // The warp's rows follow each other in the tile's page (tiles start at multiples of
-            // BN), addressed as in the contiguous cache. Rows past the sequence: zero-filled.
+            // The warp's rows follow each other in one page (tiles start at multiples of BN),
+            // addressed as in the contiguous cache. Rows past the sequence: zero-filled.
             constexpr int UNROLL = BN * CPR / THREADS > 8 ? 4 : BN * CPR / THREADS;  // as below
             int64_t ko, vo;
             if (nx_t == t) {
@@ -384,14 +398,24 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             }
             const T* kp = kg + ko + ch * 8;
             const T* vp = vg + vo + ch * 8;
+            // the rows' copies, with the step between a thread's rows a compile-time constant
+            // (as a runtime value it cost pages of 64 0.5-1 %, session 21)
+            auto copy_rows = [&](auto step_c, int rf) {
+                constexpr int STEP = decltype(step_c)::value;
 #pragma unroll UNROLL
-            for (int it = 0; it < BN * CPR / THREADS; ++it) {
-                const int row = row0 + it * (THREADS / CPR);
-                const bool ok = key0 + it * (THREADS / CPR) < sk && ch < dch;
-                const int64_t kr = (int64_t)it * (THREADS / CPR) * ksr;
-                const int64_t vr = (int64_t)it * (THREADS / CPR) * vsr;
-                cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), ok ? kp + kr : kg, ok);
-                cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), ok ? vp + vr : vg, ok);
+                for (int it = 0; it < BN * CPR / THREADS; ++it) {
+                    const int row = rf + it * STEP;
+                    const bool ok = t * BN + row < sk && ch < dch;
+                    const int64_t kr = (int64_t)it * STEP * ksr;
+                    const int64_t vr = (int64_t)it * STEP * vsr;
+                    cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), ok ? kp + kr : kg, ok);
+                    cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), ok ? vp + vr : vg, ok);
+                }
+            };
+            if (warp_rows) {
+                copy_rows(IntC<32 / CPR>{}, warp * RW + lane / CPR);
+            } else {
+                copy_rows(IntC<THREADS / CPR>{}, row0);
             }
             // the next tile's rows, while these copies are in flight: its issue is then only
             // the copies, as in the contiguous cache (the page arithmetic in front of every

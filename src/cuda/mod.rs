@@ -441,12 +441,14 @@ fn decode(
     let sms = info.sm_count;
     let (bm, bn) = (variant.block_m as usize, variant.block_n as usize);
     // A paged cache whose pages split a key tile (page_size % block_n != 0: pages of 16 or 32)
-    // addresses every row through the page table; its splits aim at two CTAs per SM, which hides
-    // more of that per-row work. H100 bf16, 32/8 heads d128, pages of 16, against the contiguous
-    // cache (session 16, call F, splits doubled): b8 x 4k/8k/32k 0.91/0.88/0.83 -> 0.95/0.95/0.93,
+    // aims its splits at two CTAs per SM, which hides more of the several pages per tile. H100
+    // bf16, 32/8 heads d128, pages of 16, against the contiguous cache (session 16, call F, splits
+    // doubled, rows then looked up one by one): b8 x 4k/8k/32k 0.91/0.88/0.83 -> 0.95/0.95/0.93,
     // b1 x 8k/32k 0.88/0.89 -> 0.92/0.91; pages of 64 and 256 (one page per tile) gained nothing.
-    let per_row_paged = matches!(p.keys, Keys::Paged { page_size, .. } if page_size % bn != 0);
-    let slots = if per_row_paged { 2 * sms } else { sms };
+    // With a page per warp and tile (session 21, H200) one CTA per SM still loses at b1 and b8:
+    // b8 x 8k / 32k 0.980 / 1.001 with two, 0.914 / 0.904 with one.
+    let small_pages = matches!(p.keys, Keys::Paged { page_size, .. } if page_size % bn != 0);
+    let slots = if small_pages { 2 * sms } else { sms };
     let splits = decode_num_splits(p.b, p.hkv, p.hq, p.sq, p.sk, slots, bm, bn);
     let row_blocks = (p.h_ratio() * p.sq).div_ceil(bm);
     let ctas = row_blocks * splits * p.b * p.hkv;
