@@ -1127,8 +1127,8 @@ fn paged_lying_tables_give_nan() -> Result<()> {
         ] {
             let (o, lse) = g.run_varlen(&vl, &p)?;
             // per sequence: O rows (total_q, hq, d) and LSE columns (hq, total_q)
-            for j in 0..lens.len() {
-                let (r0, n) = (vl.cu_q[j] as usize, lens[j].0);
+            for (j, &(n, _)) in lens.iter().enumerate() {
+                let r0 = vl.cu_q[j] as usize;
                 if n == 0 {
                     continue; // no rows (and an empty CUDA tensor's cast fails to launch)
                 }

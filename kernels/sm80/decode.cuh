@@ -402,14 +402,16 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             // (as a runtime value it cost pages of 64 0.5-1 %, session 21)
             auto copy_rows = [&](auto step_c, int rf) {
                 constexpr int STEP = decltype(step_c)::value;
+                const T* kpi = kp;
+                const T* vpi = vp;
 #pragma unroll UNROLL
                 for (int it = 0; it < BN * CPR / THREADS; ++it) {
                     const int row = rf + it * STEP;
                     const bool ok = t * BN + row < sk && ch < dch;
-                    const int64_t kr = (int64_t)it * STEP * ksr;
-                    const int64_t vr = (int64_t)it * STEP * vsr;
-                    cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), ok ? kp + kr : kg, ok);
-                    cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), ok ? vp + vr : vg, ok);
+                    cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), ok ? kpi : kg, ok);
+                    cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), ok ? vpi : vg, ok);
+                    kpi += STEP * ksr;
+                    vpi += STEP * vsr;
                 }
             };
             if (warp_rows) {
