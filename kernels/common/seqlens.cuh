@@ -17,8 +17,8 @@ __device__ __forceinline__ int clamp_i(int x, int lo, int hi) { return x < lo ? 
 
 // Sequence bi. Varlen: rows cu[bi]..cu[bi+1] of the packed tensors, clamped into the tensors
 // ([0, total]) and to the grid's bound (p.sq / p.sk = max_seqlen), so whatever the prefix sums
-// hold, no kernel reads or writes outside its buffers (a lying table is caught by
-// fc::tables_lie, in fc_check_seqlens or the split-KV combine, which turn the output into NaN).
+// hold, no kernel reads or writes outside its buffers (lying sums are caught by
+// fc::prefix_sums_lie, in fc_check_seqlens or the split-KV combine: the output becomes NaN).
 __device__ __forceinline__ SeqRange seq_range(const FcParams& p, int bi) {
     SeqRange r;
     if (p.cu_seqlens_q != nullptr) {
@@ -46,7 +46,7 @@ __device__ __forceinline__ SeqRange seq_range(const FcParams& p, int bi) {
 // Paged caches (p.page_table set): k/v are pools of p.total_k / p.page_size pages of p.page_size
 // rows, batch stride = page stride; sequence bi's key j is row j % page_size of page
 // page_table[bi * page_table_stride + j / page_size]. The page id is clamped into the pool, so a
-// lying table reads a wrong row of the pool, never outside it (fc::tables_lie: that sequence's
+// lying table reads a wrong row of the pool, never outside it (fc::pages_lie: that sequence's
 // output becomes NaN). `key` < p.sk = the table's width in keys <= page_table_stride * page_size.
 __device__ __forceinline__ int page_of(const FcParams& p, int bi, int key, int& slot) {
     const int ps = p.page_size;

@@ -415,9 +415,9 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 }
             };
             if (warp_rows) {
-                copy_rows(IntC<32 / CPR>{}, warp * RW + lane / CPR);
+                copy_rows(IntC<32 / CPR>{}, row_first());
             } else {
-                copy_rows(IntC<THREADS / CPR>{}, row0);
+                copy_rows(IntC<THREADS / CPR>{}, row_first());
             }
             // the next tile's rows, while these copies are in flight: its issue is then only
             // the copies, as in the contiguous cache (the page arithmetic in front of every

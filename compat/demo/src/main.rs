@@ -366,18 +366,19 @@ fn run(m: &mut dyn Lm, prompt: &[u32], gen: usize, reps: usize, dev: &Device) ->
     to_run(t, prompt.len(), gen)
 }
 
-/// The flash and the eager model timed in alternation (flash first on even repetitions, eager
-/// first on odd ones), so that drift of the GPU's or the host's clocks during the call reaches
-/// both alike. Also returns the median over repetitions of the paired ratios flash ÷ eager
+/// The `[flash, eager]` pair of models timed in alternation (flash first on even repetitions,
+/// eager first on odd ones), so that drift of the GPU's or the host's clocks during the call
+/// reaches both alike; with the median over repetitions of the paired ratios flash ÷ eager
 /// tokens/s (prefill, decode).
-fn run_pair(
-    flash: &mut dyn Lm,
-    eager: &mut dyn Lm,
+fn pair(
+    mut ms: Vec<Box<dyn Lm>>,
     prompt: &[u32],
     gen: usize,
     reps: usize,
     dev: &Device,
-) -> Result<(Run, Run, f64, f64)> {
+) -> Result<Paired> {
+    let (a, b) = ms.split_at_mut(1);
+    let (flash, eager) = (a[0].as_mut(), b[0].as_mut());
     timed(flash, prompt, 2, dev)?;
     timed(eager, prompt, 2, dev)?;
     let (mut tf, mut te) = (Vec::new(), Vec::new());
@@ -390,38 +391,14 @@ fn run_pair(
             tf.push(timed(flash, prompt, gen, dev)?);
         }
     }
-    let ratio = |i: usize| {
-        median(
-            tf.iter()
-                .zip(&te)
-                .map(|(f, e)| if i == 0 { e.0 / f.0 } else { e.1 / f.1 })
-                .collect(),
-        )
+    let paired = |secs: fn(&Timed) -> f64| {
+        median(tf.iter().zip(&te).map(|(f, e)| secs(e) / secs(f)).collect())
     };
-    let (rp, rd) = (ratio(0), ratio(1));
-    Ok((
-        to_run(tf, prompt.len(), gen)?,
-        to_run(te, prompt.len(), gen)?,
-        rp,
-        rd,
-    ))
-}
-
-/// [`run_pair`] over a `[flash, eager]` pair of models.
-fn pair(
-    mut ms: Vec<Box<dyn Lm>>,
-    prompt: &[u32],
-    gen: usize,
-    reps: usize,
-    dev: &Device,
-) -> Result<Paired> {
-    let (a, b) = ms.split_at_mut(1);
-    let (flash, eager, prefill_ratio, decode_ratio) =
-        run_pair(a[0].as_mut(), b[0].as_mut(), prompt, gen, reps, dev)?;
+    let ratios = Some((paired(|t| t.0), paired(|t| t.1)));
     Ok(Paired {
-        flash,
-        eager,
-        ratios: Some((prefill_ratio, decode_ratio)),
+        flash: to_run(tf, prompt.len(), gen)?,
+        eager: to_run(te, prompt.len(), gen)?,
+        ratios,
     })
 }
 
