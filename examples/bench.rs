@@ -11,6 +11,9 @@
 //!   ... --grid llama --paged 64
 //!       (`paged` runs attention_paged over pools of 64-row pages in shuffled order holding the
 //!        same K/V as the contiguous `flashcore` call; JSON lines gain `page`)
+//!   ... --shape 0,32,8,1,0,128 --paged 64 --kv-lens mixed:256:128:2560 --backend paged
+//!       (a serving engine's decode batch: each sequence reads its own number of cached keys;
+//!        GB/s count only those)
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -87,6 +90,11 @@ struct Args {
     /// sequence after another: a fresh pool's free list).
     #[arg(long, default_value = "shuffled")]
     page_order: String,
+    /// With --paged and --shape: each sequence's number of cached keys (a --varlen spec), as a
+    /// serving engine's decode batch holds them. b becomes their count and sk their maximum;
+    /// the paged call reads only these lengths (`seqlens_k`), and GB/s count only them.
+    #[arg(long)]
+    kv_lens: Option<String>,
 }
 
 /// K/V `(b, sk, hkv, d)` as pools of `page_size`-row pages in a shuffled (seeded) order, with
@@ -470,6 +478,20 @@ fn main() -> Result<()> {
     if args.force_arch.is_some() {
         bail!("--force-arch needs a build with the `cuda` feature");
     }
+    let kv_lens = match &args.kv_lens {
+        Some(spec) => {
+            if args.paged.is_none() || args.shape.is_none() || args.varlen.is_some() || args.verify
+            {
+                bail!("--kv-lens needs --paged and --shape (and no --varlen or --verify)");
+            }
+            let l = varlen_lengths(spec)?;
+            if l.is_empty() || l.contains(&0) {
+                bail!("--kv-lens needs at least one length, each >= 1: {spec:?}");
+            }
+            Some(l)
+        }
+        None => None,
+    };
     let mut problems = if let Some(spec) = &args.varlen {
         let lens = varlen_lengths(spec)?;
         if lens.is_empty() {
@@ -506,6 +528,10 @@ fn main() -> Result<()> {
             .collect::<std::result::Result<_, _>>()?;
         let [b, hq, hkv, sq, sk, d] = n[..] else {
             bail!("--shape takes b,hq,hkv,sq,sk,d, got {s:?}")
+        };
+        let (b, sk) = match &kv_lens {
+            Some(l) => (l.len(), *l.iter().max().unwrap_or(&0)),
+            None => (b, sk),
         };
         vec![Problem {
             b,
@@ -607,10 +633,18 @@ fn main() -> Result<()> {
                     "sequential" => Ok(None),
                     o => bail!("--page-order must be shuffled or sequential, got {o:?}"),
                 };
-                sets.iter()
+                let mut pages = sets
+                    .iter()
                     .enumerate()
                     .map(|(i, (_, k, v))| to_pages(k, v, ps, seed(i)?))
-                    .collect::<Result<Vec<_>>>()?
+                    .collect::<Result<Vec<_>>>()?;
+                if let Some(l) = &kv_lens {
+                    let l: Vec<u32> = l.iter().map(|&x| x as u32).collect();
+                    for pg in pages.iter_mut() {
+                        pg.lens = Tensor::new(l.as_slice(), &dev)?;
+                    }
+                }
+                pages
             }
             _ => Vec::new(),
         };
@@ -629,9 +663,13 @@ fn main() -> Result<()> {
             let arch = arch_name(backend, &dev, &params, &sets[0]);
             let page = match (args.paged, backend) {
                 (None, _) => String::new(),
-                (Some(ps), "paged") => {
-                    format!(",\"page\":{ps},\"page_order\":\"{}\"", args.page_order)
-                }
+                (Some(ps), "paged") => format!(
+                    ",\"page\":{ps},\"page_order\":\"{}\"{}",
+                    args.page_order,
+                    args.kv_lens
+                        .as_ref()
+                        .map_or(String::new(), |l| format!(",\"kv_lens\":\"{l}\""))
+                ),
                 (Some(_), _) => ",\"page\":null".into(),
             };
             let call = |i: usize| -> Result<()> {
@@ -654,7 +692,14 @@ fn main() -> Result<()> {
                 }
             };
             let tflops = p.flops() / us / 1e6;
-            let gbps = p.bytes(dtype.size_in_bytes()) / us / 1e3;
+            let bytes = match (&kv_lens, backend) {
+                (Some(l), "paged") => {
+                    let keys: usize = l.iter().sum();
+                    (dtype.size_in_bytes() * 2 * (p.b * p.sq * p.hq + keys * p.hkv) * p.d) as f64
+                }
+                _ => p.bytes(dtype.size_in_bytes()),
+            };
+            let gbps = bytes / us / 1e3;
             if args.json {
                 println!(
                     "{{\"backend\":\"{backend}\",\"arch\":\"{arch}\",\"dtype\":\"{}\",\"b\":{},\"hq\":{},\"hkv\":{},\"sq\":{},\"sk\":{},\"d\":{},\"causal\":{},\"softcap\":{},\"us\":{},\"tflops\":{},\"gbps\":{},\"max_err\":{},\"timing\":\"{}\",\"status\":\"{status}\"{page}}}",
