@@ -921,6 +921,63 @@ fn paged_attention() -> Result<()> {
     Ok(())
 }
 
+/// Decode batches of very unequal lengths (2..32 sequences; one query row each), where the
+/// split kernel balances its splits over the lengths (`balanced_tps`, kernels/sm80/decode.cuh):
+/// a long sequence takes many splits, short ones one, empty ones none. Packed keys and paged
+/// caches (pages of 64, shuffled; and pages of 16, which split evenly, their empty splits
+/// exiting early), no mask and causal (one row: the no-mask kernel), GQA 1/4/8, both dtypes,
+/// the option sets rotating; and a batch of equal lengths (the host's even partition).
+#[test]
+fn decode_balanced_splits() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let mut rng = Rng::from_clock("decode_balanced_splits");
+    let skewed: Vec<(usize, usize)> = [32768, 1, 0, 5000, 300, 17000, 2, 9000]
+        .iter()
+        .map(|&k| (1, k))
+        .collect();
+    let random: Vec<(usize, usize)> = (0..2 + rng.below(31))
+        .map(|_| {
+            (
+                1,
+                [0, 1, 1 + rng.below(600), 1 + rng.below(20000)][rng.below(4)],
+            )
+        })
+        .collect();
+    let two = vec![(1, 30000), (1, 700)];
+    let equal = vec![(1, 3000); 6];
+    let heads = [(32, 8), (8, 1), (16, 4), (8, 8)];
+    let mut n = 0;
+    for (name, lens) in [
+        ("skewed", &skewed),
+        ("random", &random),
+        ("two", &two),
+        ("equal", &equal),
+    ] {
+        for (i, mask) in [Mask::None, Mask::Causal].into_iter().enumerate() {
+            let dtype = [DType::BF16, DType::F16][(n + i) % 2];
+            let (hq, hkv) = heads[n % 4];
+            let d = [128, 64, 256][n % 3];
+            let p = options(&dev, n, mask, lens.len(), hq)?;
+            let vl = Varlen::random(lens, hq, hkv, d, dtype, n % 2 == 1, &dev)?;
+            check_varlen(&format!("balanced {name} varlen"), &vl, &p, false)?;
+            for page_size in [16, 64] {
+                let pg = Paged::from_varlen(&vl, page_size, 0, &mut rng)?;
+                check_packed(
+                    &format!("balanced {name} page {page_size}"),
+                    &vl,
+                    &p,
+                    &|p| pg.run_varlen(&vl, p),
+                    None,
+                )?;
+            }
+            n += 1;
+        }
+    }
+    println!("decode_balanced_splits: {n} batches passed");
+    Ok(())
+}
+
 /// Paged decodes from several host threads at once on one device. candle's `CudaDevice::new`
 /// runs every host thread on its own per-thread default stream (one handle,
 /// `CU_STREAM_PER_THREAD`, a different stream per thread), so the threads' kernels run at the

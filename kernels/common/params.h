@@ -62,6 +62,9 @@ struct FcParams {
     int32_t num_splits;     // split-KV decode: number of key-range splits (1 = none)
     int32_t combine_checks; // 1: the split-KV combine checks the tables itself (fc::prefix_sums_lie,
                             // fc::pages_lie) and the host launches no fc_check_seqlens after it
+    int32_t split_budget;   // split-KV decode: > 0 balances the splits over the batch's lengths
+                            // (sm80/decode.cuh balanced_tps); 0: even splits of p.sk
+    int32_t _pad;
     // sm90 forward, persistent grid: a zeroed int32 the CTAs draw their next tile from (dynamic
     // schedule), or null for the static round-robin schedule. Ignored by the sm80 kernels.
     int32_t* tile_counter;

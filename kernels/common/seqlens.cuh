@@ -43,6 +43,18 @@ __device__ __forceinline__ SeqRange seq_range(const FcParams& p, int bi) {
     return r;
 }
 
+// Sequence bi's number of keys, as seq_range(p, bi).sk (without the query side's loads).
+__device__ __forceinline__ int keys_of(const FcParams& p, int bi) {
+    int sk = p.sk;
+    if (p.cu_seqlens_k != nullptr) {
+        const int a = clamp_i(__ldg(p.cu_seqlens_k + bi), 0, p.total_k);
+        const int e = clamp_i(__ldg(p.cu_seqlens_k + bi + 1), a, p.total_k);
+        sk = min(e - a, p.sk);
+    }
+    if (p.seqused_k != nullptr) sk = min(sk, max(__ldg(p.seqused_k + bi), 0));
+    return sk;
+}
+
 // Paged caches (p.page_table set): k/v are pools of p.total_k / p.page_size pages of p.page_size
 // rows, batch stride = page stride; sequence bi's key j is row j % page_size of page
 // page_table[bi * page_table_stride + j / page_size]. The page id is clamped into the pool, so a

@@ -36,7 +36,7 @@
 // LAUNCH CONTRACT
 //   Split kernel  FC_SM80_DECODE(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES):
 //     row_blocks = ceil(h_ratio * sq / BLOCK_M)
-//     grid       = (row_blocks * num_splits * b * hkv, 1, 1)   (1-D; x = ((b*hkv + g)*num_splits + s)*row_blocks + rb)
+//     grid       = (row_blocks * num_splits * b * hkv, 1, 1)   (1-D; x = ((s*b + b_i)*hkv + g)*row_blocks + rb)
 //     block      = (32 * WARPS, 1, 1)
 //     dynamic smem bytes = (BLOCK_M + 2 * STAGES * BLOCK_N) * HEAD_DIM * 2
 //                  (= Variant::smem_bytes(); call cudaFuncSetAttribute(MaxDynamicSharedMemorySize)
@@ -47,7 +47,8 @@
 //     num_splits  > 1: the split kernel writes only the scratch:
 //                      o_partial  f32 (num_splits, b, hq, sq, HEAD_DIM) contiguous,
 //                      lse_partial f32 (num_splits, b, hq, sq) contiguous (natural log; -inf for a
-//                      split that saw no key, with its o_partial rows = 0);
+//                      split that saw no key: a split with no tile leaves its o_partial rows
+//                      unwritten, one whose rows see none of its keys writes them 0);
 //                      then launch the combine kernel on the same stream with the same params.
 //   Combine kernel FC_SM80_COMBINE(SYMBOL, T, HEAD_DIM)   (only when num_splits > 1):
 //     grid  = (b * hq * sq, 1, 1), block = (256, 1, 1), dynamic smem = 0 (4.1 KB static).
@@ -175,6 +176,42 @@ template <int N> struct IntC { static constexpr int value = N; };
 
 __device__ __forceinline__ int clampi(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
+// Balanced splits (p.split_budget > 0; the host sets it for paged / varlen batches of 2..32
+// sequences, no mask: a causal decode of one query row takes the no-mask kernel; in the causal
+// kernels the search made d64 spill 8 B on sm_86/89). The host sizes the grid by the longest
+// sequence (p.sk), so even splits of that width leave a batch of unequal lengths with most CTAs
+// short and a few long: 8 sequences of 1k..32k keys read 1.6 TB/s where the same keys in equal
+// lengths read 2.6 (H100, session 22). Instead every CTA of the launch computes the same tiles
+// per split: the smallest `tps` for which the batch's splits, the sum over sequences of
+// ceil(tiles_i / tps), number at most p.split_budget (the host's even-split CTA count per K/V
+// head, b * even, and a slack of b / 2, below one split per sequence so that equal lengths keep
+// the host's partition), with ceil(tiles_i / tps) <= num_splits (the grid's splits per
+// sequence, 2 * even). Splits past a sequence's end are empty (they write LSE -inf only), which
+// the combine folds away. Each warp computes it (no barrier): lane i holds sequence i's tile
+// count, and a binary search on tps reduces over the warp.
+template <int BN>
+__device__ __forceinline__ int balanced_tps(const FcParams& p, int nsplit) {
+    const int lane = threadIdx.x & 31;
+    const int t = lane < p.b ? (fc::keys_of(p, lane) + BN - 1) / BN : 0;  // b <= 32: one per lane
+    int mx = t, sum = t;  // the host keeps b * ceil(p.sk / BN) < 2^30
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    const int budget = p.split_budget;  // >= p.b (host)
+    int lo = max(max((sum + budget - 1) / budget, (mx + nsplit - 1) / nsplit), 1), hi = max(mx, 1);
+#pragma unroll 1
+    while (lo < hi) {  // count(hi) <= budget always (tps = mx: one split per sequence, b <= budget)
+        const int mid = lo + (hi - lo) / 2;
+        int cnt = (t + mid - 1) / mid;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+        if (cnt <= budget) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
+
 // ---------------------------------------------------------------- split kernel
 template <typename T, int D, int MASK, int BM, int BN, int W, int S, int PF = 128>
 __device__ __forceinline__ void split_kernel(const FcParams& p) {
@@ -204,13 +241,18 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     const int hq = p.hq;
     const int row_blocks = (p.h_ratio * p.sq + BM - 1) / BM;  // the grid's (max_seqlen_q) packing
     const int nsplit = p.num_splits;
+    // Splits vary slowest: the hardware hands out the blocks in order, so every sequence's first
+    // splits come first and a split grid with empty splits (short sequences, balanced splits)
+    // puts its working CTAs one per SM before the empty ones, not two on one SM and none on the
+    // next (equal lengths under balanced splits: b8 x 32k at pages of 64 +2.6 % with the split
+    // fastest, session 22).
     int bid = blockIdx.x;
     const int rb = bid % row_blocks;
     bid /= row_blocks;
-    const int split = bid % nsplit;
-    bid /= nsplit;
     const int kvh = bid % p.hkv;
-    const int bb = bid / p.hkv;
+    bid /= p.hkv;
+    const int bb = bid % p.b;
+    const int split = bid / p.b;
     const fc::SeqRange sr = fc::seq_range(p, bb);
     const int sq = sr.sq, sk = sr.sk;
     const int rows_total = p.h_ratio * sq;  // this sequence's packed rows
@@ -246,9 +288,14 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                    ? fc::clamp_i(__ldg(p.page_table + (int64_t)bb * p.page_table_stride + j), 0, last_page)
                    : 0;
     };
+    // Balanced splits: the first pages are read for the even split of p.sk into
+    // split_budget / b parts (what equal lengths balance to) while `balanced_tps` runs, and
+    // again below where the balanced split starts elsewhere.
+    const bool balanced = MASK == 0 && p.split_budget > 0;
+    const int spec_splits = balanced ? max(p.split_budget / p.b, 1) : nsplit;
     if (whole_pages) {
         // the split's first page (its first tile as `tps` below, before any use of sk)
-        const int tps0 = ((p.sk + BN - 1) / BN + nsplit - 1) / nsplit;
+        const int tps0 = ((p.sk + BN - 1) / BN + spec_splits - 1) / spec_splits;
         pg_base = split * tps0 * BN / p.page_size;
         pg_cur = read_pages(pg_base + lane);
         pg_nxt = read_pages(pg_base + 32 + lane);
@@ -291,15 +338,6 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
     int t_lo = lo_cta / BN, t_hi = (hi_cta + BN - 1) / BN;
     if (hi_cta <= lo_cta) t_hi = t_lo;
-    // Splits of a paged cache without a window cut the grid's key range (p.sk = the table's
-    // width in keys, not this sequence's length): a split's first tile, and so its first pages,
-    // are known before the sequence length arrives (`pages` below). A shorter sequence leaves
-    // its last splits empty; the longest split is the same.
-    const int tps = ((fixed_splits ? (p.sk + BN - 1) / BN : t_hi - t_lo) + nsplit - 1) / nsplit;
-    const int t_first = t_lo + split * tps;  // fixed_splits: t_lo = 0
-    const int t_begin = min(t_first, t_hi);
-    const int t_end = min(t_begin + tps, t_hi);
-
     // ---- per-thread rows (for masks): rows g8 and g8 + 8 of m-tile wm
     int row_lo[2], row_hi[2];
 #pragma unroll
@@ -339,6 +377,33 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             cp_async16(smem_u32(sQ + swz<D>(row, ch)), src, ok);
         }
         cp_async_commit();
+    }
+
+    // Splits of a paged cache without a window cut the grid's key range (p.sk = the table's
+    // width in keys, not this sequence's length): a split's first tile, and so its first pages,
+    // are known before the sequence length arrives (`pages` below). A shorter sequence leaves
+    // its last splits empty; the longest split is the same.
+    // The split's tiles are placed after the Q load is out (balanced splits read the lengths).
+    const int tps = balanced ? balanced_tps<BN>(p, nsplit) : ((fixed_splits ? (p.sk + BN - 1) / BN : t_hi - t_lo) + nsplit - 1) / nsplit;
+    const int t_first = t_lo + split * tps;  // fixed_splits: t_lo = 0
+    if (balanced && whole_pages && t_first * BN / p.page_size != pg_base) {
+        pg_base = t_first * BN / p.page_size;
+        pg_cur = read_pages(pg_base + lane);
+        pg_nxt = read_pages(pg_base + 32 + lane);
+    }
+    const int t_begin = min(t_first, t_hi);
+    const int t_end = min(t_begin + tps, t_hi);
+    // An empty split of a split grid (past its sequence's keys: short sequences under even splits
+    // of p.sk, and balanced splits): only LSE = -inf for the combine, which then never reads its
+    // partial O; no tiles, no epilogue (the Q copy in flight is waited for). (Not in the windowed
+    // kernels: d256 spilled 28 B on sm_80.)
+    if (MASK != 2 && nsplit > 1 && t_begin >= t_end) {
+        cp_async_wait<0>();
+        for (int r = tid; r < rows_here; r += THREADS) {
+            const int rr = r0 + r, hl = rr / sq, i = rr - hl * sq;
+            p.lse_partial[(((int64_t)split * p.b + bb) * hq + kvh * p.h_ratio + hl) * p.sq + i] = -INFINITY;
+        }
+        return;
     }
 
     // Paged: the page and slot of one row per lane for the next tile, looked up one tile ahead
@@ -700,7 +765,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
 // One CTA (256 threads) per output row (b, h, i). Thread = (16-byte column chunk c, split group gi):
 // group gi folds splits gi, gi + G, ... (8 loads in flight per thread) with its own running max;
 // the G groups are merged through shared memory. Splits with lse_partial = -inf are skipped (their
-// o_partial is never multiplied in).
+// o_partial is never multiplied in; an empty split writes none).
 template <typename T, int D>
 __device__ __forceinline__ void combine_kernel(const FcParams& p) {
     static_assert(D % 64 == 0, "HEAD_DIM must be a multiple of 64");

@@ -300,7 +300,13 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
             p.scale
         )));
     }
-    let mask = kmask(p.mask);
+    // One query row per sequence sees all of its keys under the causal mask (bottom-right
+    // aligned): the no-mask kernels compute the same, and the decode's balanced splits
+    // (`balanced_splits`) run there only.
+    let mask = match p.mask {
+        Mask::Causal if p.sq == 1 => KMask::None,
+        m => kmask(m),
+    };
     let d = kernel_head_dim(p.d);
     // Softcap and ALiBi run in score-modifier bodies, packed batches and head dims below the
     // kernel's in the sm80 general bodies (`Variant::admits`).
@@ -424,6 +430,38 @@ pub fn decode_num_splits(
     n_tiles.div_ceil(per)
 }
 
+/// `FLASHCORE_DECODE_EVEN=1`: split-KV decodes split evenly, never balanced over the batch's
+/// lengths (an A/B aid). Read once.
+fn even_splits_forced() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENV.get_or_init(|| std::env::var("FLASHCORE_DECODE_EVEN").is_ok_and(|v| v == "1"))
+}
+
+/// Splits per sequence of a split-KV decode grid that balances its splits over the batch's
+/// lengths (more than `even`), or `even` where the kernel splits evenly: dense batches (equal
+/// lengths), one sequence, masked kernels (a causal decode of one row runs unmasked), more
+/// than 32 sequences (`balanced_tps` holds one per lane), keys too short to split (256 per
+/// split), and pages smaller than a key tile (their even splits already aim at two CTAs per
+/// SM; balanced, 2 / 4 / 16 sequences of mixed lengths at pages of 16 ran 4-10 % slower, 8
+/// and 32 sequences 14-16 % faster: not taken).
+fn balanced_splits(p: &Problem, v: &Variant, even: usize) -> usize {
+    let lengths_differ = !matches!(p.seqs, Seqs::Dense) || !matches!(p.keys, Keys::Rows);
+    let bn = v.block_n as usize;
+    let small_pages = matches!(p.keys, Keys::Paged { page_size, .. } if page_size % bn != 0);
+    if !lengths_differ
+        || small_pages
+        || even_splits_forced()
+        || p.b < 2
+        || p.b > 32
+        || v.mask != KMask::None
+        || p.b * p.sk.div_ceil(bn) >= 1 << 30
+    {
+        return even;
+    }
+    let max_splits = (p.sk / 256).min(128).min(p.sk.div_ceil(bn));
+    (2 * even).min(max_splits).max(even)
+}
+
 /// Split-KV decode: the split kernel writes O/LSE directly (one split) or f32 partials that the
 /// combine kernel merges by their LSE. Returns whether the combine checked the tables
 /// (`combine_checks`: then no `fc_check_seqlens` need follow).
@@ -449,8 +487,24 @@ fn decode(
     // b8 x 8k / 32k 0.980 / 1.001 with two, 0.914 / 0.904 with one.
     let small_pages = matches!(p.keys, Keys::Paged { page_size, .. } if page_size % bn != 0);
     let slots = if small_pages { 2 * sms } else { sms };
-    let splits = decode_num_splits(p.b, p.hkv, p.hq, p.sq, p.sk, slots, bm, bn);
+    let even = decode_num_splits(p.b, p.hkv, p.hq, p.sq, p.sk, slots, bm, bn);
+    // A packed or paged batch's lengths differ, and the host does not know them (they are on
+    // the GPU): the split kernel balances its splits over them (`balanced_tps` in
+    // kernels/sm80/decode.cuh), on a grid of up to twice the even split count per sequence
+    // (the longest sequence's splits; a short one leaves its extra splits empty). H100, bf16,
+    // 32/8 heads d128, pages of 64, against even splits (session 22, docs/perf.md): 8 sequences
+    // of 1k..32k keys 234 -> 167 us, 16 of 128..32k 556 -> 438, 32 of 128..8k 198 -> 170; equal
+    // lengths lose 1-3 % (the empty splits), 32 of them 5 % (a combine where none ran).
+    let splits = balanced_splits(p, variant, even);
     let row_blocks = (p.h_ratio() * p.sq).div_ceil(bm);
+    // The balanced splits' budget: the even grid's working CTAs per K/V head and a slack of
+    // half a split per sequence (without it, 16 sequences of 128..32k keys ran 560 us instead
+    // of 425; capping it at one wave did the same).
+    prm.split_budget = if splits > even {
+        (p.b * even + p.b / 2) as i32
+    } else {
+        0
+    };
     let ctas = row_blocks * splits * p.b * p.hkv;
     if ctas > i32::MAX as usize {
         return Err(launch::err(
@@ -715,6 +769,8 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         window_right: wr.map_or(-1, |x| x.min(i32::MAX as usize) as i32),
         num_splits: 1,
         combine_checks: 0,
+        split_budget: 0,
+        _pad: 0,
         tile_counter: 0,
     };
     // The check kernel reads the tables as the caller gave them (page table included).

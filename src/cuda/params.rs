@@ -55,6 +55,10 @@ pub struct FcParams {
     pub num_splits: i32,
     /// 1: the split-KV combine checks the tables itself (no `fc_check_seqlens` after it).
     pub combine_checks: i32,
+    /// Split-KV decode: > 0 balances the splits over the batch's lengths (at most
+    /// `b * split_budget + b / 2` splits in all); 0: even splits of `sk`.
+    pub split_budget: i32,
+    pub _pad: i32,
     /// sm90 forward: zeroed i32 for the dynamic tile schedule, or 0 (static).
     pub tile_counter: u64,
 }
@@ -62,4 +66,4 @@ pub struct FcParams {
 // SAFETY: plain-old-data with the C layout the kernels declare.
 unsafe impl cudarc::driver::DeviceRepr for FcParams {}
 
-const _: () = assert!(std::mem::size_of::<FcParams>() == 8 * 8 + 14 * 8 + 4 * 8 + 20 * 4 + 8);
+const _: () = assert!(std::mem::size_of::<FcParams>() == 8 * 8 + 14 * 8 + 4 * 8 + 22 * 4 + 8);
