@@ -172,8 +172,10 @@ pub fn attention_varlen_with_lse(
 /// length beyond the table, is an error naming the argument). On a GPU reading the tables would
 /// cost a device sync: the kernels clamp every page id into the pool and every length into the
 /// table, so nothing outside the pools is ever read, and the rows (O and LSE) of a sequence whose
-/// table lies are filled with NaN (the other sequences' rows are unaffected). On the GPU, `seq_q <= 16` (decode) reads K/V through the
-/// page table inside the split-KV kernel. Longer queries on sm_90 run the prefill kernels on the
+/// table lies are filled with NaN (the other sequences' rows keep their values; a lying length
+/// can move their split boundaries, so their rounding, in a decode balanced over the batch's
+/// lengths). On the GPU, `seq_q <= 16` (decode) reads K/V through the page table inside the
+/// split-KV kernel, its splits balanced over the lengths of a batch of 2..32 sequences. Longer queries on sm_90 run the prefill kernels on the
 /// pool through the page table (TMA boxes of up to the page size, each inside one page) when the
 /// page size is a power of two of at least 32 rows; otherwise (smaller or odd pages, sm_80-class
 /// GPUs, softcap or ALiBi below d256) the pages are first gathered into a dense scratch (one copy
