@@ -393,6 +393,14 @@ fn alloc_out<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     })
 }
 
+/// The most key-range splits a decode of `sk` keys takes: at least 256 keys and one key tile
+/// each, at most 128.
+fn decode_max_splits(sk: usize, block_n: usize) -> usize {
+    const MIN_KEYS: usize = 256;
+    const MAX_SPLITS: usize = 128;
+    (sk / MIN_KEYS).min(MAX_SPLITS).min(sk.div_ceil(block_n))
+}
+
 #[allow(clippy::too_many_arguments)]
 /// Number of key-range splits for the decode kernels: about one CTA per slot (`sm_count`: the
 /// SM count, or twice it where `decode` wants two CTAs per SM), each split at least 256 keys, at
@@ -407,13 +415,11 @@ pub fn decode_num_splits(
     block_m: usize,
     block_n: usize,
 ) -> usize {
-    const MIN_KEYS: usize = 256;
-    const MAX_SPLITS: usize = 128;
     let rows = (hq / hkv) * sq;
     let base = b * hkv * rows.div_ceil(block_m);
     let slots = sm_count.max(1);
     let n_tiles = sk.div_ceil(block_n);
-    let max_splits = (sk / MIN_KEYS).min(MAX_SPLITS).min(n_tiles);
+    let max_splits = decode_max_splits(sk, block_n);
     if max_splits <= 1 || base * 5 >= slots * 4 {
         return 1;
     }
@@ -444,10 +450,9 @@ fn even_splits_forced() -> bool {
 /// split), and pages smaller than a key tile (their even splits already aim at two CTAs per
 /// SM; balanced, 2 / 4 / 16 sequences of mixed lengths at pages of 16 ran 4-10 % slower, 8
 /// and 32 sequences 14-16 % faster: not taken).
-fn balanced_splits(p: &Problem, v: &Variant, even: usize) -> usize {
+fn balanced_splits(p: &Problem, v: &Variant, even: usize, small_pages: bool) -> usize {
     let lengths_differ = !matches!(p.seqs, Seqs::Dense) || !matches!(p.keys, Keys::Rows);
     let bn = v.block_n as usize;
-    let small_pages = matches!(p.keys, Keys::Paged { page_size, .. } if page_size % bn != 0);
     if !lengths_differ
         || small_pages
         || even_splits_forced()
@@ -458,8 +463,7 @@ fn balanced_splits(p: &Problem, v: &Variant, even: usize) -> usize {
     {
         return even;
     }
-    let max_splits = (p.sk / 256).min(128).min(p.sk.div_ceil(bn));
-    (2 * even).min(max_splits).max(even)
+    (2 * even).min(decode_max_splits(p.sk, bn)).max(even)
 }
 
 /// Split-KV decode: the split kernel writes O/LSE directly (one split) or f32 partials that the
@@ -495,7 +499,7 @@ fn decode(
     // 32/8 heads d128, pages of 64, against even splits (session 22, docs/perf.md): 8 sequences
     // of 1k..32k keys 234 -> 167 us, 16 of 128..32k 556 -> 438, 32 of 128..8k 198 -> 170; equal
     // lengths lose 1-3 % (the empty splits), 32 of them 5 % (a combine where none ran).
-    let splits = balanced_splits(p, variant, even);
+    let splits = balanced_splits(p, variant, even, small_pages);
     let row_blocks = (p.h_ratio() * p.sq).div_ceil(bm);
     // The balanced splits' budget: the even grid's working CTAs per K/V head and a slack of
     // half a split per sequence (without it, 16 sequences of 128..32k keys ran 560 us instead
