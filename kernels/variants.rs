@@ -102,13 +102,20 @@ pub struct Variant {
     /// (The sm80 forward kernels need no twins: their narrow body is chosen inside the kernel per
     /// launch, `FWD_NARROW` / `fwd_narrow` in kernels/sm80/fwd.cuh.)
     pub narrow: u32,
+    /// sm90 forward only: the paged twin (symbol suffix `_pg`, `FC_SM90_FWD_PG`) of a full-width
+    /// d128 / d256 kernel. It reads K/V only from a paged pool through the page table, with one
+    /// TMA box per page (or per key tile) over all of its columns, where the kernel itself
+    /// takes one box per page and 64-column block (`page_box`, kernels/sm90/fwd.cuh `ILV`).
+    /// The dispatcher gives it the paged prefill problems without a score modifier whose pools
+    /// hold whole pages of power-of-two rows (`takes_pages`), and nothing else.
+    pub paged: bool,
 }
 
 impl Variant {
     /// Entry-point name: `fc_<family>_<kind>_<dtype>_d<head_dim>_<mask>_<block_m>x<block_n>`,
     /// plus `p` for warp pairs, `_s<stages>` for sm90 tiles with other than two K/V stages (the
-    /// tile tells apart the variants of one problem class that need different smem), and `_cap`
-    /// or `_n<width>` for a twin.
+    /// tile tells apart the variants of one problem class that need different smem), and `_cap`,
+    /// `_pg` or `_n<width>` for a twin.
     pub fn symbol(&self) -> String {
         let stages = if self.is_family("sm90") && self.stages != 2 {
             format!("_s{}", self.stages)
@@ -117,6 +124,8 @@ impl Variant {
         };
         let twin = if self.softcap {
             "_cap".to_string()
+        } else if self.paged {
+            "_pg".to_string()
         } else if self.narrow > 0 {
             format!("_n{}", self.narrow)
         } else {
@@ -142,6 +151,8 @@ impl Variant {
             "_CAP"
         } else if self.narrow > 0 {
             "_NARROW"
+        } else if self.paged {
+            "_PG"
         } else {
             ""
         }
@@ -179,7 +190,8 @@ impl Variant {
     /// the TMA warp each. From 32-row boxes (H100, session 19, docs/perf.md): chunked prefill at
     /// pages of 32 runs 0.94-0.98x the contiguous cache (gathered: 0.80-0.88x); 16-row boxes run
     /// 0.80-0.87x, about what gathering costs (the TMA unit takes about as long for a 2 KB box as
-    /// for an 8 KB one), so pages of 16 are gathered.
+    /// for an 8 KB one), so pages of 16 are gathered. The paged twins (`paged`) take one box per
+    /// page over all column blocks, and from 16 rows.
     pub const fn page_box(&self, page_size: usize) -> Option<u32> {
         let three_dyn = self.block_m == 192
             && matches!(self.mask, KMask::Causal)
@@ -194,7 +206,7 @@ impl Variant {
         let bn = self.block_n as usize;
         let pow2 = bn & bn.wrapping_neg();
         let rows = if page_size < pow2 { page_size } else { pow2 };
-        if rows >= 32 {
+        if rows >= 32 || (self.paged && rows >= 16) {
             Some(rows as u32)
         } else {
             None
@@ -287,7 +299,7 @@ const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         (128, _) => (128, 32, 4, 2),
         _ => (128, 64, 8, 1),
     };
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0 }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false }
 }
 
 const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -295,14 +307,14 @@ const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // stage, 226 KB (H100 / sm_90 only). Per 128-key tile a warp reads 88 KB of smem for 32 x 128
     // outputs where the 128x64 tile's warps read 144 KB for 16 x 256. Forced sm80 on the H100,
     // bf16 8 x 8 heads x 2k non-causal: 355 TFLOPS against 306 (session 4, docs/perf.md).
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false, narrow: 0 }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false, narrow: 0, paged: false }
 }
 
 const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // d256 for GPUs with 99 KB of smem per block (sm_86/89): 64x32, 4 warps, 2 stages = 96 KB.
     // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100 (session 3, docs/perf.md),
     // where the 128 KB tile above runs 1.04-1.08x.
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0 }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false }
 }
 
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -312,7 +324,7 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         256 => (32, 32, 2, 2),
         _ => (64, 64, 4, 2),
     };
-    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0 }
+    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false }
 }
 
 const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -339,6 +351,11 @@ const fn cap(v: Variant) -> Variant {
     Variant { softcap: true, ..v }
 }
 
+/// The paged twin of an sm90 kernel (`Variant::paged`).
+const fn pg(v: Variant) -> Variant {
+    Variant { paged: true, ..v }
+}
+
 /// The narrow twin of an sm90 kernel computing `width` head-dim columns (`Variant::narrow`).
 const fn narrow(v: Variant, width: u32) -> Variant {
     Variant { narrow: width, ..v }
@@ -346,7 +363,7 @@ const fn narrow(v: Variant, width: u32) -> Variant {
 
 const fn sm90_staged(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, block_n: u32, max_sq: u32, stages: u32) -> Variant {
     let warps = (block_m / 64 + 1) * 4;
-    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false, softcap: false, narrow: 0 }
+    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false, softcap: false, narrow: 0, paged: false }
 }
 
 /// Non-causal d64 up to 1k query rows: 256x64 tiles, four consumer warpgroups, a 4-deep K/V ring
@@ -408,23 +425,30 @@ pub const VARIANTS: &[Variant] = &[
     sm90_d64_causal_short(KDType::Bf16),
     narrow(sm90(KDType::Bf16, 64, KMask::Causal), 32),
     sm90(KDType::Bf16, 64, KMask::Causal),
+    pg(sm90_d128_short(KDType::Bf16)),
     narrow(sm90_d128_short(KDType::Bf16), 96),
     sm90_d128_short(KDType::Bf16),
+    pg(sm90(KDType::Bf16, 128, KMask::None)),
     narrow(sm90(KDType::Bf16, 128, KMask::None), 96),
     sm90(KDType::Bf16, 128, KMask::None),
+    pg(sm90(KDType::Bf16, 128, KMask::Causal)),
     narrow(sm90(KDType::Bf16, 128, KMask::Causal), 96),
     sm90(KDType::Bf16, 128, KMask::Causal),
+    pg(sm90_d256_short(KDType::Bf16, KMask::None)),
     narrow(sm90_d256_short(KDType::Bf16, KMask::None), 160),
     narrow(sm90_d256_short(KDType::Bf16, KMask::None), 192),
     sm90_d256_short(KDType::Bf16, KMask::None),
+    pg(sm90(KDType::Bf16, 256, KMask::None)),
     narrow(sm90(KDType::Bf16, 256, KMask::None), 160),
     narrow(sm90(KDType::Bf16, 256, KMask::None), 192),
     sm90(KDType::Bf16, 256, KMask::None),
     cap(sm90_d256_short(KDType::Bf16, KMask::None)),
     cap(sm90(KDType::Bf16, 256, KMask::None)),
+    pg(sm90_d256_short(KDType::Bf16, KMask::Causal)),
     narrow(sm90_d256_short(KDType::Bf16, KMask::Causal), 160),
     narrow(sm90_d256_short(KDType::Bf16, KMask::Causal), 192),
     sm90_d256_short(KDType::Bf16, KMask::Causal),
+    pg(sm90(KDType::Bf16, 256, KMask::Causal)),
     narrow(sm90(KDType::Bf16, 256, KMask::Causal), 160),
     narrow(sm90(KDType::Bf16, 256, KMask::Causal), 192),
     sm90(KDType::Bf16, 256, KMask::Causal),
@@ -438,23 +462,30 @@ pub const VARIANTS: &[Variant] = &[
     sm90_d64_causal_short(KDType::F16),
     narrow(sm90(KDType::F16, 64, KMask::Causal), 32),
     sm90(KDType::F16, 64, KMask::Causal),
+    pg(sm90_d128_short(KDType::F16)),
     narrow(sm90_d128_short(KDType::F16), 96),
     sm90_d128_short(KDType::F16),
+    pg(sm90(KDType::F16, 128, KMask::None)),
     narrow(sm90(KDType::F16, 128, KMask::None), 96),
     sm90(KDType::F16, 128, KMask::None),
+    pg(sm90(KDType::F16, 128, KMask::Causal)),
     narrow(sm90(KDType::F16, 128, KMask::Causal), 96),
     sm90(KDType::F16, 128, KMask::Causal),
+    pg(sm90_d256_short(KDType::F16, KMask::None)),
     narrow(sm90_d256_short(KDType::F16, KMask::None), 160),
     narrow(sm90_d256_short(KDType::F16, KMask::None), 192),
     sm90_d256_short(KDType::F16, KMask::None),
+    pg(sm90(KDType::F16, 256, KMask::None)),
     narrow(sm90(KDType::F16, 256, KMask::None), 160),
     narrow(sm90(KDType::F16, 256, KMask::None), 192),
     sm90(KDType::F16, 256, KMask::None),
     cap(sm90_d256_short(KDType::F16, KMask::None)),
     cap(sm90(KDType::F16, 256, KMask::None)),
+    pg(sm90_d256_short(KDType::F16, KMask::Causal)),
     narrow(sm90_d256_short(KDType::F16, KMask::Causal), 160),
     narrow(sm90_d256_short(KDType::F16, KMask::Causal), 192),
     sm90_d256_short(KDType::F16, KMask::Causal),
+    pg(sm90(KDType::F16, 256, KMask::Causal)),
     narrow(sm90(KDType::F16, 256, KMask::Causal), 160),
     narrow(sm90(KDType::F16, 256, KMask::Causal), 192),
     sm90(KDType::F16, 256, KMask::Causal),

@@ -1074,9 +1074,11 @@ fn paged_decode_from_threads() -> Result<()> {
 }
 
 /// Prefill over a paged pool: on sm90 read by the kernels through the page table where
-/// `Variant::page_box` allows (pages of 32 to 256 here; box by box, one box per lane of the TMA
-/// warp, the rows of the last tile past each sequence's end zeroed in shared memory), gathered
-/// for pages of 16. The pools' unused rows are NaN, so a box or a V row read wrongly shows.
+/// `Variant::page_box` allows (box by box, one box per lane of the TMA warp, the rows of the last
+/// tile past each sequence's end zeroed in shared memory): d128 and d256 by the paged twins (one
+/// 5-D box per page over all columns, pages of 16 to 256 here, every tile of both), the other
+/// head dims by their kernels from pages of 32, gathered for pages of 16. The pools' unused rows
+/// are NaN, so a box or a V row read wrongly shows.
 /// Ragged lengths (1023, 4097), a shared prefix, sequences without queries or keys, GQA 1/4/8,
 /// causal and no mask (the sm90 kernels' masks), d64 beyond 1k query rows (the 192-row causal
 /// tile gathers instead), d96 / d160 (narrow twins), both dtypes. On sm80 (forced) the same
@@ -1097,6 +1099,8 @@ fn paged_prefill_through_the_page_table() -> Result<()> {
     ];
     let long_d64 = vec![(1100, 2500), (64, 700)];
     let equal_q = vec![(96, 1023), (96, 4097), (96, 96), (96, 300)];
+    // past the short tiles' 1k / 2k query rows: d128 128x160 and d256 128x80
+    let long_q = vec![(2100, 2500), (64, 700), (1, 33)];
     let cases = [
         (
             16usize,
@@ -1120,7 +1124,18 @@ fn paged_prefill_through_the_page_table() -> Result<()> {
         (32, 160, (8, 2), Mask::Causal, DType::BF16, &lens),
         (32, 256, (16, 16), Mask::Causal, DType::BF16, &lens),
         (32, 64, (32, 8), Mask::Causal, DType::F16, &long_d64),
+        (16, 256, (8, 2), Mask::None, DType::F16, &lens),
+        (16, 128, (8, 8), Mask::None, DType::BF16, &equal_q),
+        (16, 128, (8, 2), Mask::None, DType::F16, &long_q),
+        (16, 256, (8, 8), Mask::Causal, DType::BF16, &long_q),
+        (128, 128, (16, 4), Mask::Causal, DType::BF16, &long_q),
     ];
+    // on sm90 (not forced to sm80) d128 and d256 must take the paged twins in-kernel
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!("gpu() is a CUDA device")
+    };
+    let twins = flashcore::cuda::device_info(cuda)?.major == 9
+        && std::env::var("FLASHCORE_TEST_ARCH").map_or(true, |a| a != "sm80");
     for (page_size, d, (hq, hkv), mask, dtype, lens) in cases {
         let vl = Varlen::random(lens, hq, hkv, d, dtype, false, &dev)?;
         let (vl, pg, _) = paged_sharing(vl, page_size, &mut rng)?;
@@ -1129,6 +1144,22 @@ fn paged_prefill_through_the_page_table() -> Result<()> {
             ..Default::default()
         };
         let tag = format!("paged-prefill page {page_size}");
+        let route = flashcore::cuda::describe_paged(
+            cuda,
+            &p,
+            &vl.q,
+            &pg.k_pages,
+            &pg.v_pages,
+            &pg.page_table,
+            &pg.seqlens_k,
+            Some((&vl.cu_q_t, vl.max_q)),
+        )?;
+        println!("{tag} d{d} {hq}/{hkv} {mask:?} {dtype:?}: {route}");
+        if twins && (d == 128 || d == 256) && !route.contains("_pg (in-kernel") {
+            return Err(Error::Msg(format!(
+                "{tag} d{d}: expected a paged twin reading the pool in-kernel, got {route}"
+            )));
+        }
         let plain = |p: &AttnParams| pg.run_varlen(&vl, p).map(|r| r.0);
         check_packed(&tag, &vl, &p, &|p| pg.run_varlen(&vl, p), Some(&plain))?;
         if lens.iter().all(|l| l.0 == lens[0].0) {
@@ -1156,17 +1187,30 @@ fn paged_lying_tables_give_nan() -> Result<()> {
     set_poison_outputs(false);
     let mut rng = Rng::from_clock("paged_lies");
     let mut outcome = Ok(());
-    // pages of 16 (prefill: gathered) and 64 (sm90 prefill: read through the table in-kernel);
-    // decodes with split-KV (keys of 700: the combine checks the tables) and without (a table
-    // of 208 keys: one split, the check kernel)
-    for (shape, lens, page_size) in [
-        ("decode", vec![(1, 90), (1, 3), (1, 700)], 16),
-        ("decode, one split", vec![(1, 90), (1, 3), (1, 200)], 16),
-        ("prefill", vec![(40, 90), (0, 3), (120, 700)], 16),
-        ("decode p64", vec![(1, 90), (1, 3), (1, 700)], 64),
-        ("prefill p64", vec![(40, 90), (0, 3), (120, 700)], 64),
+    // d64 pages of 16 (prefill: gathered) and 64 (sm90 prefill: read through the table
+    // in-kernel), d128 / d256 pages of 16 and 32 (sm90 prefill: the paged twins); decodes with
+    // split-KV (keys of 700: the combine checks the tables) and without (a table of 208 keys: one
+    // split, the check kernel)
+    for (shape, lens, page_size, d) in [
+        ("decode", vec![(1, 90), (1, 3), (1, 700)], 16, 64),
+        ("decode, one split", vec![(1, 90), (1, 3), (1, 200)], 16, 64),
+        ("prefill", vec![(40, 90), (0, 3), (120, 700)], 16, 64),
+        ("decode p64", vec![(1, 90), (1, 3), (1, 700)], 64, 64),
+        ("prefill p64", vec![(40, 90), (0, 3), (120, 700)], 64, 64),
+        (
+            "prefill p16 d128",
+            vec![(40, 90), (0, 3), (120, 700)],
+            16,
+            128,
+        ),
+        (
+            "prefill p32 d256",
+            vec![(40, 90), (0, 3), (120, 700)],
+            32,
+            256,
+        ),
     ] {
-        let vl = Varlen::random(&lens, 8, 2, 64, DType::BF16, false, &dev)?;
+        let vl = Varlen::random(&lens, 8, 2, d, DType::BF16, false, &dev)?;
         let pg = Paged::from_varlen(&vl, page_size, 0, &mut rng)?;
         let p = options(&dev, 0, Mask::Causal, lens.len(), 8)?;
         let (o_good, lse_good) = pg.run_varlen(&vl, &p)?;

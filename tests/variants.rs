@@ -276,6 +276,73 @@ fn sm90_kernels_fit_hopper() {
     }
 }
 
+/// Every paged twin is a full-width d128 / d256 sm90 forward kernel listed before its narrow twins
+/// and the kernel itself (same tile), every such kernel but the softcap ones has one, and a twin
+/// reads power-of-two pages from 16 rows in-kernel.
+#[test]
+fn paged_twins_precede_their_kernel() {
+    let mut n = 0;
+    for (i, v) in VARIANTS.iter().enumerate() {
+        if !v.paged {
+            continue;
+        }
+        assert!(
+            v.family == "sm90"
+                && v.kind == KKind::Fwd
+                && !v.softcap
+                && v.narrow == 0
+                && matches!(v.head_dim, 128 | 256)
+                && matches!(v.mask, KMask::None | KMask::Causal),
+            "{}",
+            v.symbol()
+        );
+        let own = Variant { paged: false, ..*v };
+        let next = VARIANTS[i + 1..]
+            .iter()
+            .find(|w| w.narrow == 0)
+            .expect("a paged twin is not last");
+        assert_eq!(
+            own.symbol(),
+            next.symbol(),
+            "{} must precede its kernel",
+            v.symbol()
+        );
+        assert!(
+            VARIANTS[i + 1..]
+                .iter()
+                .take_while(|w| w.symbol() != own.symbol())
+                .all(|w| w.narrow > 0 && Variant { narrow: 0, ..*w }.symbol() == own.symbol()),
+            "{}: only its kernel's narrow twins between it and the kernel",
+            v.symbol()
+        );
+        for page in [32usize, 64, 128, 256] {
+            assert!(v.page_box(page).is_some(), "{} page {page}", v.symbol());
+        }
+        assert_eq!(v.page_box(16), Some(16), "{} takes pages of 16", v.symbol());
+        assert_eq!(
+            v.page_box(24),
+            None,
+            "{}: power-of-two pages only",
+            v.symbol()
+        );
+        n += 1;
+    }
+    let full = VARIANTS
+        .iter()
+        .filter(|v| {
+            v.family == "sm90"
+                && matches!(v.head_dim, 128 | 256)
+                && !v.softcap
+                && v.narrow == 0
+                && !v.paged
+        })
+        .count();
+    assert_eq!(
+        n, full,
+        "a paged twin for every d128 / d256 sm90 tile (softcap twins aside)"
+    );
+}
+
 /// Every narrow twin is an sm90 forward kernel listed before the kernel it narrows (same tile),
 /// which serves the full head dim, the twins of one kernel in increasing width; each width lies
 /// between the next smaller kernel's head dim and its own, and the sm90 family has twins for every
@@ -318,7 +385,9 @@ fn narrow_twins_precede_their_kernel() {
     let full = |d: u32| {
         VARIANTS
             .iter()
-            .filter(|v| v.family == "sm90" && v.head_dim == d && !v.softcap && v.narrow == 0)
+            .filter(|v| {
+                v.family == "sm90" && v.head_dim == d && !v.softcap && v.narrow == 0 && !v.paged
+            })
             .count()
     };
     // d64: d32; d128: d96; d256: d160 and d192

@@ -114,8 +114,15 @@ template <> struct TypeInfo<__half> {
 // DV: the head dim the kernel computes (D: the full kernel). A narrow twin (DV < D, the variant
 // table's `narrow`) keeps the D-wide shared-memory tiles of its kernel but loads, multiplies and
 // stores only the first DV columns: Q K^T over DV / 16 k-steps, P V and O DV wide.
+// ILV: the paged twin (`_pg`, FC_SM90_FWD_PG; full width only): its K and V stages keep each
+// group of 8 key rows with all of its 64-column blocks together, [row group][column block][8
+// rows][128 B], where the other kernels keep each column block's BN rows together, [column
+// block][BN rows][128 B]. A page's rows over every column block are then one TMA box (a 5-D map
+// over the pool: 64 columns, 8 rows, column blocks, head, the pool's row groups), so a tile of
+// 16-row pages at d128 takes 8 boxes per K or V instead of 16 (`load_tile`); the wgmma
+// descriptors step over the same bytes with other strides (KV_CB, KV_RG).
 template <typename T, int D, int MASK, int BM, int BN, int STAGES, bool PINGPONG, bool CAP = false,
-          int DV = D>
+          int DV = D, bool ILV = false>
 struct FwdSm90 {
     static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128, 192 or 256");
     static_assert(DV % 16 == 0 && DV >= 32 && DV <= D, "narrow width: a multiple of 16, 32..D");
@@ -132,6 +139,9 @@ struct FwdSm90 {
     static constexpr bool SEP_O = fwd_sep_o(BM, BN, D, STAGES);
     static constexpr uint32_t Q_LOAD = BM * DBV * 128;  // TMA bytes per Q / K-or-V tile
     static constexpr uint32_t KV_LOAD = BN * DBV * 128;
+    // K/V stage strides in bytes: between 64-column blocks, and between groups of 8 key rows
+    static constexpr uint32_t KV_CB = ILV ? 1024u : BN * 128u;
+    static constexpr uint32_t KV_RG = ILV ? DB * 1024u : 1024u;
     static constexpr uint32_t TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + (SEP_O ? Q_BYTES : 0);
     static_assert(TILE_BYTES + 1280 <= 232448, "shared memory over the 227 KB limit");
     // setmaxnreg split. setmaxnreg.inc blocks until the CTA's register pool (what the launch
@@ -157,6 +167,7 @@ struct FwdSm90 {
     // producer spilled 4 B with the TMA warp's per-lane boxes; the host gathers for those
     // (`Variant::page_box`, kernels/variants.rs).
     static constexpr bool PAGED = !(NC == 3 && DYN) && NC != 4;
+    static_assert(!ILV || (PAGED && DV == D && BN % 16 == 0), "paged twin: a paged, full-width kernel");
     static constexpr int BAR_SCHED = 1;            // named barriers 1..NC: ping-pong
     static constexpr int BAR_EPI = 1 + NC;         // named barriers NC+1..2NC: per-WG epilogue
     static constexpr bool BF = TypeInfo<T>::bf16;
@@ -220,12 +231,13 @@ struct FwdSm90 {
     // 128B-swizzled tiles in shared memory, f32 accumulation (fix_tile's rare path).
     __device__ static __forceinline__ float score_smem(uint32_t sq_, uint32_t sk_, int qr, int kr) {
         float acc = 0.f;
-        const uint32_t qa = sq_ + qr * 128, ka = sk_ + kr * 128, qs = (qr & 7) << 4, ks = (kr & 7) << 4;
+        const uint32_t qa = sq_ + qr * 128, ka = sk_ + (ILV ? (kr >> 3) * KV_RG + (kr & 7) * 128 : kr * 128),
+                       qs = (qr & 7) << 4, ks = (kr & 7) << 4;
 #pragma unroll 1
         for (int w = 0; w < DV / 2; ++w) {  // 32-bit words: 2 elements
             const uint32_t blk = (w >> 5), off = (((w & 31) >> 2) << 4) | ((w & 3) << 2);
             const float2 x = TypeInfo<T>::unpack(fc::ld_shared_b32(qa + blk * BM * 128 + (off ^ qs)));
-            const float2 y = TypeInfo<T>::unpack(fc::ld_shared_b32(ka + blk * BN * 128 + (off ^ ks)));
+            const float2 y = TypeInfo<T>::unpack(fc::ld_shared_b32(ka + blk * KV_CB + (off ^ ks)));
             acc = fmaf(x.x, y.x, acc);
             acc = fmaf(x.y, y.y, acc);
         }
@@ -383,8 +395,22 @@ struct FwdSm90 {
                     // into the pool (as fc::page_of). A box past the sequence's last key (k0 holds the
                     // key count here) reloads the box holding it, as the barrier expects the whole
                     // tile: those keys are masked and the consumers zero their V rows.
+                    // The paged twin (ILV; always paged) loads box j's rows over every column block
+                    // with one 5-D box at row group (page * page_size + slot) / 8 of the pool.
                     auto load_tile = [&](uint32_t dst, const CUtensorMap* tm, uint32_t bar, int n) {
-                        if (PAGED && p.page_table != nullptr) {
+                        if (ILV) {
+                            const int sh = p.page_shift;
+                            const int pb = min(1 << sh, BN & -BN);
+                            const int r = lane * pb;
+                            if (r < BN) {
+                                const int key = min(n * BN + r, (k0 - 1) & -pb);
+                                const int page = fc::clamp_i(
+                                    __ldg(p.page_table + (int64_t)bi * p.page_table_stride + (key >> sh)), 0,
+                                    (p.total_k >> sh) - 1);
+                                tma_load_5d(dst + r * DB * 128, tm, bar, 0, 0, 0, hk,
+                                            (page << (sh - 3)) + ((key & ((1 << sh) - 1)) >> 3), kEvictLast);
+                            }
+                        } else if (PAGED && p.page_table != nullptr) {
                             const int sh = p.page_shift;
                             const int pb = min(1 << sh, BN & -BN);
                             const int r = lane * pb;
@@ -448,8 +474,8 @@ struct FwdSm90 {
         const float sl2 = CAP ? fc::score_unit_log2(p.scale_log2, p.softcap) : p.scale_log2;
         const float pre = CAP && p.softcap > 0.f ? __fdividef(p.scale, p.softcap) : 0.f;  // softcap: S -> tanh(S * pre)
         const uint64_t dq = desc_sw128(sQ + c * 8192, 16, 1024);
-        const uint64_t dk = desc_sw128(sK, 16, 1024);
-        const uint64_t dv = desc_sw128(sV, BN * 128, 1024);
+        const uint64_t dk = desc_sw128(sK, 16, KV_RG);
+        const uint64_t dv = desc_sw128(sV, KV_CB, KV_RG);
         uint8_t* const gsO = smem_raw + ((SEP_O ? sO : sQ) - raw);
         const uint32_t slice = c * 8192;
         constexpr int CPR = DV / 8;  // 16-byte chunks per output row
@@ -665,12 +691,12 @@ struct FwdSm90 {
 #pragma unroll
                 for (int kk = 0; kk < DV / 16; ++kk)
                     QK::ss(s, desc_add(dq, (kk / 4) * BM * 128 + (kk % 4) * 32),
-                           desc_add(dks, (kk / 4) * BN * 128 + (kk % 4) * 32), kk > 0 ? 1 : 0);
+                           desc_add(dks, (kk / 4) * KV_CB + (kk % 4) * 32), kk > 0 ? 1 : 0);
             };
             auto issue_pv = [&](int stage) {
                 const uint64_t dvs = desc_add(dv, stage * KV_BYTES);
 #pragma unroll
-                for (int kk = 0; kk < BN / 16; ++kk) PV::rs(o, pa[kk], desc_add(dvs, kk * 2048), 1);
+                for (int kk = 0; kk < BN / 16; ++kk) PV::rs(o, pa[kk], desc_add(dvs, kk * 2 * KV_RG), 1);
             };
             auto sched_sync = [&]() {
                 if (PINGPONG) named_sync(BAR_SCHED + c, 256);
@@ -709,7 +735,8 @@ struct FwdSm90 {
                     const int units = (BN - valid) * 8;  // 16-byte units per 64-column block
                     for (int i = t128; i < units * DBV; i += 128) {
                         const int cb = i / units, r = valid + (i % units) / 8, u = i % 8;
-                        *reinterpret_cast<uint4*>(vt + cb * BN * 128 + r * 128 + u * 16) = make_uint4(0, 0, 0, 0);
+                        const int at = ILV ? (r >> 3) * KV_RG + cb * KV_CB + (r & 7) * 128 : cb * BN * 128 + r * 128;
+                        *reinterpret_cast<uint4*>(vt + at + u * 16) = make_uint4(0, 0, 0, 0);
                     }
                     fence_proxy_async_smem();
                     named_sync(BAR_EPI + c, 128);
@@ -903,21 +930,25 @@ struct FwdSm90 {
 }  // namespace fc90
 
 // SYMBOL(p, tm_q, tm_k, tm_v, tm_o): see the launch contract above. WARPS must be (BLOCK_M/64 + 1) * 4.
-#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP, DV)  \
+#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP, DV, ILV) \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32, 1)                                           \
         SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,                 \
                const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,           \
                const __grid_constant__ CUtensorMap tm_o) {                                                  \
         static_assert((WARPS) == ((BLOCK_M) / 64 + 1) * 4, "sm90 fwd: WARPS = (BLOCK_M/64 + 1) * 4");       \
-        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DV>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
+        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DV, ILV>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
     }
 // Ping-pong between consumer warpgroups for head_dim <= 128 (measured faster there), off for 256.
 #define FC_SM90_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false)
 // The softcap twin of a kernel (the variant table's `softcap` entries; p.softcap > 0 required).
 #define FC_SM90_FWD_CAP(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true, HEAD_DIM)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true, HEAD_DIM, false)
 // The narrow twin of a kernel computing DV < HEAD_DIM columns (the variant table's `narrow`
 // entries; head dims p.d <= DV only).
 #define FC_SM90_FWD_NARROW(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, DV) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, DV)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, DV, false)
+// The paged twin of a kernel (the variant table's `paged` entries): K/V read from a paged pool
+// through the page table, one 5-D box per page or tile (`ILV`); p.page_table set, p.d = HEAD_DIM.
+#define FC_SM90_FWD_PG(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, true)

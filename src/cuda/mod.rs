@@ -139,6 +139,48 @@ pub fn describe(
     Ok(v.symbol())
 }
 
+/// The same for a paged problem (`attention_paged` with `q` dense, or `attention_paged_varlen`
+/// with `packed_q` = (cu_seqlens_q, max_seqlen_q)): the kernel, and for prefill whether it reads
+/// the pool through the page table (`in-kernel, R-row boxes`) or the pages are gathered first
+/// (then the kernel that runs on the gathered rows).
+#[allow(clippy::too_many_arguments)]
+pub fn describe_paged(
+    dev: &CudaDevice,
+    p: &crate::AttnParams,
+    q: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    seqlens_k: &Tensor,
+    packed_q: Option<(&Tensor, usize)>,
+) -> Result<String> {
+    let prob =
+        crate::params::validate_paged(q, k_pages, v_pages, page_table, seqlens_k, packed_q, p)?;
+    let info = device_info(dev)?;
+    let v = choose(&prob, &info)?;
+    if v.kind == KKind::Decode {
+        return Ok(v.symbol());
+    }
+    Ok(match page_box(v, &prob) {
+        Some(rows) => format!("{} (in-kernel, {rows}-row boxes)", v.symbol()),
+        None => {
+            let mut used = prob.clone();
+            used.keys = Keys::Used;
+            format!("gathered, then {}", choose(&used, &info)?.symbol())
+        }
+    })
+}
+
+/// Rows per TMA box when prefill kernel `v` reads paged problem `p`'s pool through the page table
+/// (`Variant::page_box`), or `None`: the pages are gathered into dense scratch first (always
+/// with FLASHCORE_PAGED_GATHER=1, an A/B aid).
+fn page_box(v: &Variant, p: &Problem) -> Option<u32> {
+    match p.keys {
+        Keys::Paged { page_size, .. } if !paged_gather_forced() => v.page_box(page_size),
+        _ => None,
+    }
+}
+
 fn shape_str(p: &Problem) -> String {
     let mut seqs = match p.seqs {
         Seqs::Dense => String::new(),
@@ -312,6 +354,19 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
     // kernel's in the sm80 general bodies (`Variant::admits`).
     let modified = p.softcap.is_some() || p.alibi;
     let general = p.seqs != Seqs::Dense || p.keys != Keys::Rows || p.d != d as usize;
+    // The paged twins (`Variant::paged`) take paged prefill over pools of whole power-of-two
+    // pages (`tma::encode_pool`) at their full head dim; FLASHCORE_PAGED_GATHER=1 turns them off.
+    let whole = |s: &[usize; 3], rows: usize| s[0] == rows * s[1];
+    let twin_pages = match p.keys {
+        Keys::Paged { page_size, .. } => {
+            page_size >= 16
+                && page_size.is_power_of_two()
+                && whole(&p.k_strides, page_size)
+                && whole(&p.v_strides, page_size)
+                && !paged_gather_forced()
+        }
+        _ => false,
+    };
     let mut candidates: Vec<(&str, KKind)> = Vec::new();
     // Few query rows against a key range: split-KV decode (memory bound; the sm80 family's
     // mma.sync kernel serves every arch).
@@ -340,10 +395,12 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
                 || !v.admits(modified, general)
                 || starves(v, p, info.sm_count)
                 || (v.narrow > 0 && p.d > v.narrow as usize)
+                || (v.paged && !(twin_pages && p.d == v.head_dim as usize))
             {
                 // a later entry serves longer queries, the problem's softcap choice
                 // (`Variant::admits`: softcap twins, kernels with a general body), small
-                // problems (`starves`), or head dims wider than a narrow twin's
+                // problems (`starves`), head dims wider than a narrow twin's, or problems
+                // other than a paged twin's
                 continue;
             } else {
                 return Ok(v);
@@ -786,11 +843,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     // On sm90 the forward kernels read the pool through the page table themselves, box by box
     // (`Variant::page_box`: power-of-two pages, boxes of at least 32 rows); FLASHCORE_PAGED_GATHER=1
     // gathers there too (an A/B aid).
-    let page_box = if paged_gather_forced() {
-        None
-    } else {
-        variant.page_box(page_size as usize)
-    };
+    let page_box = page_box(variant, p);
     let in_kernel = paged && page_box.is_some();
     let used: Problem;
     let _scratch: Option<Scratch<T>>;
@@ -850,8 +903,31 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
                 _ => ((p.sk, p.b), variant.block_n),
             };
             let tm_q = enc(qp, dims_q, p.hq, p.q_strides, variant.block_m, "q")?;
-            let tm_k = enc(kp, dims_k, p.hkv, p.k_strides, box_k, "k")?;
-            let tm_v = enc(vp, dims_k, p.hkv, p.v_strides, box_k, "v")?;
+            let pool = |base: u64, strides: [usize; 3], name: &str| {
+                let (page_size, num_pages) = dims_k;
+                let pool = tma::Pool {
+                    base,
+                    d: p.d,
+                    page_size,
+                    heads: p.hkv,
+                    num_pages,
+                    strides,
+                    box_rows: box_k,
+                };
+                tma::encode_pool(variant.dtype, &pool, name)
+                    .map_err(|e| launch::err(&symbol, &shape, e))
+            };
+            let (tm_k, tm_v) = if variant.paged {
+                (
+                    pool(kp, p.k_strides, "k_pages")?,
+                    pool(vp, p.v_strides, "v_pages")?,
+                )
+            } else {
+                (
+                    enc(kp, dims_k, p.hkv, p.k_strides, box_k, "k")?,
+                    enc(vp, dims_k, p.hkv, p.v_strides, box_k, "v")?,
+                )
+            };
             // O (written by the op, strides as in `prm`): each consumer warpgroup stores 64 rows
             // (varlen: 16-byte stores instead; the map is still encoded, unused).
             let o_strides =

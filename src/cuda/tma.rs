@@ -1,4 +1,5 @@
-//! TMA tensor maps for the sm90 family: one rank-4 map (d, seq, heads, batch) per operand, built
+//! TMA tensor maps for the sm90 family: one rank-4 map (d, seq, heads, batch) per operand (the
+//! paged twins' K/V pools: rank 5, [`encode_pool`]), built
 //! on the host with `cuTensorMapEncodeTiled` and passed by value as a `__grid_constant__`
 //! kernel parameter. The recipe is the one kernels/sm90/fwd.cuh documents.
 
@@ -64,6 +65,81 @@ pub(crate) fn encode(dtype: KDType, op: &Operand, name: &str) -> Result<TensorMa
             dt,
             4,
             op.base as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxd.as_ptr(),
+            es.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(format!(
+            "{name}: cuTensorMapEncodeTiled failed with {r:?} (dims {dims:?}, strides {strides:?} B, box {boxd:?})"
+        ));
+    }
+    // SAFETY: initialised by the successful call above.
+    Ok(TensorMap(unsafe { map.assume_init() }))
+}
+
+/// A paged pool `(num_pages, page_size, heads, d)` as the paged twins read it (`Variant::paged`,
+/// kernels/sm90/fwd.cuh `ILV`): rank 5, (64 columns, 8 rows, d / 64 column blocks, heads, the
+/// pool's row groups of 8), so that one box of `box_rows` rows holds every column of those rows,
+/// row group by row group. Needs d a multiple of 64 and pages stored whole (page stride =
+/// page_size * row stride, so row groups follow each other at 8 row strides).
+pub(crate) struct Pool {
+    pub base: u64,
+    pub d: usize,
+    pub page_size: usize,
+    pub heads: usize,
+    pub num_pages: usize,
+    /// (page, row, head) strides in elements.
+    pub strides: [usize; 3],
+    pub box_rows: u32,
+}
+
+/// Encodes a [`Pool`] map (128B swizzle); an error names the operand and the rule or the
+/// driver's answer.
+pub(crate) fn encode_pool(dtype: KDType, pool: &Pool, name: &str) -> Result<TensorMap, String> {
+    let [ps, rs, hs] = pool.strides;
+    if !pool.d.is_multiple_of(64)
+        || !pool.page_size.is_multiple_of(8)
+        || ps != pool.page_size * rs
+        || !(pool.box_rows as usize).is_multiple_of(8)
+    {
+        return Err(format!(
+            "{name}: the paged twin needs d a multiple of 64, whole pages of a multiple of 8 rows and boxes of whole row groups, got d {}, page_size {}, strides (page, row, head) {:?}, box {} rows",
+            pool.d, pool.page_size, pool.strides, pool.box_rows
+        ));
+    }
+    let groups = (pool.num_pages * pool.page_size / 8) as u64;
+    let dims: [u64; 5] = [64, 8, (pool.d / 64) as u64, pool.heads as u64, groups];
+    // a size-1 head dimension is never stepped: any valid stride
+    let head = if pool.heads == 1 { 128 } else { hs as u64 * 2 };
+    let strides: [u64; 4] = [rs as u64 * 2, 128, head, 8 * rs as u64 * 2];
+    if strides
+        .iter()
+        .any(|s| !s.is_multiple_of(16) || *s >= 1 << 40)
+        || !pool.base.is_multiple_of(16)
+    {
+        return Err(format!("{name}: TMA needs a 16-byte aligned base and strides, got base {:#x} strides {strides:?} B", pool.base));
+    }
+    let boxd: [u32; 5] = [64, 8, (pool.d / 64) as u32, 1, pool.box_rows / 8];
+    let es: [u32; 5] = [1; 5];
+    let dt = match dtype {
+        KDType::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        KDType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    };
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: all arrays have the rank's length; the driver writes the 128-byte map.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dt,
+            5,
+            pool.base as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             boxd.as_ptr(),
