@@ -190,8 +190,11 @@ impl Variant {
     /// the TMA warp each. From 32-row boxes (H100, session 19, docs/perf.md): chunked prefill at
     /// pages of 32 runs 0.94-0.98x the contiguous cache (gathered: 0.80-0.88x); 16-row boxes run
     /// 0.80-0.87x, about what gathering costs (the TMA unit takes about as long for a 2 KB box as
-    /// for an 8 KB one), so pages of 16 are gathered. The paged twins (`paged`) take one box per
-    /// page over all column blocks, and from 16 rows.
+    /// for an 8 KB one), so pages of 16 are gathered at d128 / d256 by these kernels. The paged
+    /// twins (`paged`) take one box per page over all column blocks, and pages from 16 rows: a
+    /// tile of 16-row pages then costs as many boxes as a d64 kernel's (one 64-column block),
+    /// which read pages of 16 in-kernel too (session 23: 0.96x the contiguous cache at 512 new
+    /// over 8192 cached keys, d128, where gathering ran 0.80x).
     pub const fn page_box(&self, page_size: usize) -> Option<u32> {
         let three_dyn = self.block_m == 192
             && matches!(self.mask, KMask::Causal)
@@ -206,7 +209,7 @@ impl Variant {
         let bn = self.block_n as usize;
         let pow2 = bn & bn.wrapping_neg();
         let rows = if page_size < pow2 { page_size } else { pow2 };
-        if rows >= 32 || (self.paged && rows >= 16) {
+        if rows >= 32 || (rows >= 16 && (self.paged || self.head_dim == 64)) {
             Some(rows as u32)
         } else {
             None
