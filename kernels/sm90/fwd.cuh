@@ -62,7 +62,12 @@
 //   Paged K/V (p.page_table set, p.seqused_k the lengths, page_size = 2^p.page_shift >= 16): k/v
 //   maps over the pools as (d, page_size, hkv, num_pages) with boxDim { 64, min(page_size,
 //   BLOCK_N & -BLOCK_N), 1, 1 } (a box starts 2 KB-aligned in its stage): the TMA thread loads
-//   each key tile box by box through the page table (`load_tile`).
+//   each key tile box by box through the page table (`load_tile`). The paged twins (ILV,
+//   FC_SM90_FWD_PG: paged problems only, p.d = HEAD_DIM, pages stored whole, 2^page_shift >= 16)
+//   take k/v maps of rank 5 over the pools instead: globalDim { 64, 8, HEAD_DIM / 64, hkv,
+//   num_pages * page_size / 8 }, globalStrides { row_stride*2, 128, head_stride*2,
+//   8*row_stride*2 } bytes, boxDim { 64, 8, HEAD_DIM / 64, 1, min(page_size, BLOCK_N &
+//   -BLOCK_N) / 8 } (one box per page or tile over every column; src/cuda/tma.rs encode_pool).
 // ---------------------------------------------------------------------------------------------
 #pragma once
 #include <cuda_fp16.h>
