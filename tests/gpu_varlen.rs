@@ -1175,6 +1175,80 @@ fn paged_prefill_through_the_page_table() -> Result<()> {
     Ok(())
 }
 
+/// Pools that are strided views, as a cache holding more heads than one call reads or a
+/// head-major store gives them: rows wider than the heads read (a pool narrowed to half its
+/// heads: whole pages, the paged twins at d128 / d256 on sm90), head-major pages `(num_pages,
+/// hkv, page_size, d)` seen transposed (pages not whole: the kernels' own boxes or the gather),
+/// and a pool starting at a page offset. Pages of 16 and 64, d64 / d128 / d256, both masks.
+#[test]
+fn paged_prefill_strided_pools() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!("gpu() is a CUDA device")
+    };
+    let twins = flashcore::cuda::device_info(cuda)?.major == 9
+        && std::env::var("FLASHCORE_TEST_ARCH").map_or(true, |a| a != "sm80");
+    let mut rng = Rng::from_clock("paged_strided");
+    let lens = vec![(113, 1023), (300, 300), (1, 33), (40, 0), (130, 2100)];
+    for (page_size, d, mask, dtype) in [
+        (16usize, 128usize, Mask::Causal, DType::BF16),
+        (64, 128, Mask::None, DType::F16),
+        (16, 256, Mask::None, DType::BF16),
+        (64, 256, Mask::Causal, DType::F16),
+        (16, 64, Mask::Causal, DType::BF16),
+    ] {
+        let vl = Varlen::random(&lens, 16, 4, d, dtype, false, &dev)?;
+        let pg = Paged::from_varlen(&vl, page_size, 0, &mut rng)?;
+        let (np, ps, hkv, dd) = pg.k_pages.dims4()?;
+        let wide = |t: &Tensor| -> Result<Tensor> {
+            let junk = Tensor::full(f32::NAN, (np, ps, hkv, dd), &dev)?.to_dtype(dtype)?;
+            Tensor::cat(&[t, &junk], 2)?.narrow(2, 0, hkv)
+        };
+        let head_major =
+            |t: &Tensor| -> Result<Tensor> { t.transpose(1, 2)?.contiguous()?.transpose(1, 2) };
+        let offset = |t: &Tensor| -> Result<Tensor> {
+            let junk = Tensor::full(f32::NAN, (3, ps, hkv, dd), &dev)?.to_dtype(dtype)?;
+            Tensor::cat(&[&junk, t], 0)?.narrow(0, 3, np)
+        };
+        let layouts: [(&str, &dyn Fn(&Tensor) -> Result<Tensor>, bool); 3] = [
+            ("rows wider than the heads", &wide, true),
+            ("head-major pages", &head_major, false),
+            ("pool at a page offset", &offset, true),
+        ];
+        for (layout, f, whole) in layouts {
+            let mut g = pg.clone();
+            g.k_pages = f(&pg.k_pages)?;
+            g.v_pages = f(&pg.v_pages)?;
+            let p = AttnParams {
+                mask,
+                ..Default::default()
+            };
+            let route = flashcore::cuda::describe_paged(
+                cuda,
+                &p,
+                &vl.q,
+                &g.k_pages,
+                &g.v_pages,
+                &g.page_table,
+                &g.seqlens_k,
+                Some((&vl.cu_q_t, vl.max_q)),
+            )?;
+            let tag = format!("paged-prefill page {page_size}, {layout}");
+            println!("{tag} d{d} {mask:?} {dtype:?}: {route}");
+            let twin = route.contains("_pg (in-kernel");
+            if twins && d >= 128 && twin != whole {
+                return Err(Error::Msg(format!(
+                    "{tag} d{d}: a paged twin {} for this layout, got {route}",
+                    if whole { "expected" } else { "not allowed" }
+                )));
+            }
+            check_packed(&tag, &vl, &p, &|p| g.run_varlen(&vl, p), None)?;
+        }
+    }
+    Ok(())
+}
+
 /// Tables that lie on the GPU: a page id outside the pool, a length beyond the table. The
 /// kernels clamp (no out-of-bounds read), and the check (the check kernel, or the split-KV
 /// combine) turns the lying sequence's rows of O and LSE into NaN; the other sequences' rows are
