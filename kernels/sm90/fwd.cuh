@@ -308,6 +308,10 @@ struct FwdSm90 {
             fence_barrier_init();
         }
         __syncthreads();
+        // The paged twins: the host's table check (fc_check_seqlens, a programmatic dependent)
+        // may be scheduled now; it reads the tables on an SM this grid has left and waits for the
+        // grid before writing, so it no longer adds its launch after the kernel.
+        if (ILV) pdl_launch_dependents();
 
         if (wg == 0) {
             // ================= producer =================
