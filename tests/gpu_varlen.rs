@@ -1211,7 +1211,8 @@ fn paged_prefill_strided_pools() -> Result<()> {
             let junk = Tensor::full(f32::NAN, (3, ps, hkv, dd), &dev)?.to_dtype(dtype)?;
             Tensor::cat(&[&junk, t], 0)?.narrow(0, 3, np)
         };
-        let layouts: [(&str, &dyn Fn(&Tensor) -> Result<Tensor>, bool); 3] = [
+        type Layout<'a> = (&'a str, &'a dyn Fn(&Tensor) -> Result<Tensor>, bool);
+        let layouts: [Layout; 3] = [
             ("rows wider than the heads", &wide, true),
             ("head-major pages", &head_major, false),
             ("pool at a page offset", &offset, true),

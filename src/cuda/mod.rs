@@ -1,5 +1,5 @@
 //! The CUDA path: picks a kernel family by compute capability ([`arch`]), a kernel from the
-//! variant table ([`variants`]), and launches it on candle's stream ([`launch`]).
+//! variant table ([`variants`]), and launches it on candle's stream (`launch`).
 
 pub mod arch;
 mod launch;
