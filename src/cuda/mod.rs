@@ -841,8 +841,8 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     // sequence (Keys::Used). Paged decode reads through the page table in the kernel.
     //
     // On sm90 the forward kernels read the pool through the page table themselves, box by box
-    // (`Variant::page_box`: power-of-two pages, boxes of at least 32 rows); FLASHCORE_PAGED_GATHER=1
-    // gathers there too (an A/B aid).
+    // (`Variant::page_box`: power-of-two pages, boxes of at least 32 rows, 16 for the d64 kernels
+    // and the paged twins); FLASHCORE_PAGED_GATHER=1 gathers there too (an A/B aid).
     let page_box = page_box(variant, p);
     let in_kernel = paged && page_box.is_some();
     let used: Problem;
