@@ -407,7 +407,7 @@ struct FwdSm90 {
                     // The paged twin (ILV; always paged) loads box j's rows over every column block
                     // with one 5-D box at row group (page * page_size + slot) / 8 of the pool.
                     auto load_tile = [&](uint32_t dst, const CUtensorMap* tm, uint32_t bar, int n) {
-                        if (ILV) {
+                        if (ILV || (PAGED && p.page_table != nullptr)) {
                             const int sh = p.page_shift;
                             const int pb = min(1 << sh, BN & -BN);
                             const int r = lane * pb;
@@ -416,22 +416,15 @@ struct FwdSm90 {
                                 const int page = fc::clamp_i(
                                     __ldg(p.page_table + (int64_t)bi * p.page_table_stride + (key >> sh)), 0,
                                     (p.total_k >> sh) - 1);
-                                tma_load_5d(dst + r * DB * 128, tm, bar, 0, 0, 0, hk,
-                                            (page << (sh - 3)) + ((key & ((1 << sh) - 1)) >> 3), kEvictLast);
-                            }
-                        } else if (PAGED && p.page_table != nullptr) {
-                            const int sh = p.page_shift;
-                            const int pb = min(1 << sh, BN & -BN);
-                            const int r = lane * pb;
-                            if (r < BN) {
-                                const int key = min(n * BN + r, (k0 - 1) & -pb);
-                                const int page = fc::clamp_i(
-                                    __ldg(p.page_table + (int64_t)bi * p.page_table_stride + (key >> sh)), 0,
-                                    (p.total_k >> sh) - 1);
+                                if (ILV) {
+                                    tma_load_5d(dst + r * DB * 128, tm, bar, 0, 0, 0, hk,
+                                                (page << (sh - 3)) + ((key & ((1 << sh) - 1)) >> 3), kEvictLast);
+                                } else {
 #pragma unroll
-                                for (int c = 0; c < DBV; ++c)
-                                    tma_load_4d(dst + c * BN * 128 + r * 128, tm, bar, c * 64, key & ((1 << sh) - 1),
-                                                hk, page, kEvictLast);
+                                    for (int c = 0; c < DBV; ++c)
+                                        tma_load_4d(dst + c * BN * 128 + r * 128, tm, bar, c * 64,
+                                                    key & ((1 << sh) - 1), hk, page, kEvictLast);
+                                }
                             }
                         } else if (lead) {
 #pragma unroll

@@ -44,27 +44,42 @@ pub(crate) fn encode(dtype: KDType, op: &Operand, name: &str) -> Result<TensorMa
     };
     let dims: [u64; 4] = [op.d as u64, op.seq as u64, op.heads as u64, op.batch as u64];
     let strides: [u64; 3] = [fix(rs, op.seq), fix(hs, op.heads), fix(bs, op.batch)];
+    let boxd: [u32; 4] = [64, op.box_rows, 1, 1];
+    encode_tiled(dtype, op.base, &dims, &strides, &boxd, name)
+}
+
+/// The 128B-swizzled rank-R map over `base` (dims fastest first, strides in bytes of dims 1..R);
+/// an error names the operand and the rule or the driver's answer.
+fn encode_tiled<const R: usize, const S: usize>(
+    dtype: KDType,
+    base: u64,
+    dims: &[u64; R],
+    strides: &[u64; S],
+    boxd: &[u32; R],
+    name: &str,
+) -> Result<TensorMap, String> {
     if strides
         .iter()
         .any(|s| !s.is_multiple_of(16) || *s >= 1 << 40)
-        || !op.base.is_multiple_of(16)
+        || !base.is_multiple_of(16)
     {
-        return Err(format!("{name}: TMA needs a 16-byte aligned base and strides, got base {:#x} strides {strides:?} B", op.base));
+        return Err(format!("{name}: TMA needs a 16-byte aligned base and strides, got base {base:#x} strides {strides:?} B"));
     }
-    let boxd: [u32; 4] = [64, op.box_rows, 1, 1];
-    let es: [u32; 4] = [1, 1, 1, 1];
+    const { assert!(S + 1 == R, "strides of dims 1..R") };
+    let es = [1u32; R];
     let dt = match dtype {
         KDType::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         KDType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
     };
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: all arrays have the rank's length; the driver writes the 128-byte map.
+    // SAFETY: dims, box and element strides have the rank's length, strides one less; the
+    // driver writes the 128-byte map.
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             dt,
-            4,
-            op.base as *mut std::ffi::c_void,
+            R as u32,
+            base as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             boxd.as_ptr(),
@@ -119,42 +134,6 @@ pub(crate) fn encode_pool(dtype: KDType, pool: &Pool, name: &str) -> Result<Tens
     // a size-1 head dimension is never stepped: any valid stride
     let head = if pool.heads == 1 { 128 } else { hs as u64 * 2 };
     let strides: [u64; 4] = [rs as u64 * 2, 128, head, 8 * rs as u64 * 2];
-    if strides
-        .iter()
-        .any(|s| !s.is_multiple_of(16) || *s >= 1 << 40)
-        || !pool.base.is_multiple_of(16)
-    {
-        return Err(format!("{name}: TMA needs a 16-byte aligned base and strides, got base {:#x} strides {strides:?} B", pool.base));
-    }
     let boxd: [u32; 5] = [64, 8, (pool.d / 64) as u32, 1, pool.box_rows / 8];
-    let es: [u32; 5] = [1; 5];
-    let dt = match dtype {
-        KDType::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        KDType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-    };
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: all arrays have the rank's length; the driver writes the 128-byte map.
-    let r = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            dt,
-            5,
-            pool.base as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxd.as_ptr(),
-            es.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(format!(
-            "{name}: cuTensorMapEncodeTiled failed with {r:?} (dims {dims:?}, strides {strides:?} B, box {boxd:?})"
-        ));
-    }
-    // SAFETY: initialised by the successful call above.
-    Ok(TensorMap(unsafe { map.assume_init() }))
+    encode_tiled(dtype, pool.base, &dims, &strides, &boxd, name)
 }
