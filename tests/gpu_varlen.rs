@@ -978,6 +978,100 @@ fn decode_balanced_splits() -> Result<()> {
     Ok(())
 }
 
+/// Decode grids of more than one wave whose CTAs per SM the dispatcher caps below what their
+/// shared memory allows (sm_90; `decode_capped_smem` in src/cuda/mod.rs): the same kernels with
+/// more shared memory reserved, so more CTAs run one after another on each SM. Dense caches
+/// (d128 at 48 sequences: one CTA per SM; d64 at 64: two), packed lengths and paged pools of 256
+/// rows (one CTA per SM) and of 64 (left at two: pages shorter than two key tiles). The route
+/// is asserted on the H100 (sm_90 at 3.35 TB/s) unless `FLASHCORE_DECODE_OCCUPANCY=full`;
+/// elsewhere the same cases run with whatever cap the GPU gets.
+#[test]
+fn decode_grids_capped_per_sm() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    // the caps below are the H100's (3.35 TB/s); faster DRAM keeps more CTAs per SM
+    let info = flashcore::cuda::device_info(cuda)?;
+    let capping = info.major == 9
+        && info.dram_bytes_per_s > 3e12
+        && info.dram_bytes_per_s < 3.5e12
+        && std::env::var("FLASHCORE_DECODE_OCCUPANCY").as_deref() != Ok("full");
+    let expect = |what: &str, route: &str, per: Option<usize>| -> Result<()> {
+        println!("{what}: {route}");
+        if !capping {
+            return Ok(());
+        }
+        let want = match per {
+            Some(1) => Some("(at most 1 CTA per SM)".to_string()),
+            Some(n) => Some(format!("(at most {n} CTAs per SM)")),
+            None => None,
+        };
+        let ok = match &want {
+            Some(w) => route.ends_with(w.as_str()),
+            None => !route.contains("at most"),
+        };
+        if !ok {
+            return Err(Error::Msg(format!(
+                "{what}: route {route:?}, expected {}",
+                want.as_deref().unwrap_or("no CTA cap")
+            )));
+        }
+        Ok(())
+    };
+    let mut rng = Rng::from_clock("decode_grids_capped_per_sm");
+    // dense caches: 48 x 8 K/V heads (384 CTAs of d128) and 64 x 8 (512 of d64)
+    for (b, sk, d, dtype, per) in [
+        (48, 777, 128, DType::BF16, 1),
+        (64, 1000, 64, DType::F16, 2),
+    ] {
+        let q = Tensor::randn(0f32, 1., (b, 1, 32, d), &dev)?.to_dtype(dtype)?;
+        let k = Tensor::randn(0f32, 1., (b, sk, 8, d), &dev)?.to_dtype(dtype)?;
+        let v = Tensor::randn(0f32, 1., (b, sk, 8, d), &dev)?.to_dtype(dtype)?;
+        let p = AttnParams::default();
+        let what = format!("capped dense b{b} sk{sk} d{d}");
+        expect(
+            &what,
+            &flashcore::cuda::describe(cuda, &p, &q, &k, &v)?,
+            Some(per),
+        )?;
+        check_dense(&what, &q, &k, &v, &p)?;
+    }
+    // packed lengths (0 and 1 included) and paged pools, 48 sequences, d128 32/8
+    let lens: Vec<(usize, usize)> = (0..48)
+        .map(|i| match i {
+            0 => (1, 0),
+            1 => (1, 1),
+            2 => (1, 4224),
+            _ => (1, 1 + rng.below(2000)),
+        })
+        .collect();
+    for (i, dtype) in [DType::BF16, DType::F16].into_iter().enumerate() {
+        let p = options(&dev, i, Mask::None, lens.len(), 32)?;
+        let vl = Varlen::random(&lens, 32, 8, 128, dtype, i == 1, &dev)?;
+        check_varlen(&format!("capped varlen {dtype:?}"), &vl, &p, false)?;
+        for (page_size, per) in [(256, Some(1)), (64, None)] {
+            let pg = Paged::from_varlen(&vl, page_size, 0, &mut rng)?;
+            let tag = format!("capped page {page_size} {dtype:?}");
+            let q = vl.q.reshape((lens.len(), 1, 32, 128))?;
+            let route = flashcore::cuda::describe_paged(
+                cuda,
+                &p,
+                &q,
+                &pg.k_pages,
+                &pg.v_pages,
+                &pg.page_table,
+                &pg.seqlens_k,
+                None,
+            )?;
+            expect(&tag, &route, per)?;
+            check_packed(&tag, &vl, &p, &|p| pg.run_dense(&vl, p), None)?;
+        }
+    }
+    Ok(())
+}
+
 /// Paged decodes from several host threads at once on one device. candle's `CudaDevice::new`
 /// runs every host thread on its own per-thread default stream (one handle,
 /// `CU_STREAM_PER_THREAD`, a different stream per thread), so the threads' kernels run at the

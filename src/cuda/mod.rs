@@ -79,6 +79,13 @@ pub struct DeviceInfo {
     /// Largest dynamic shared memory a block may opt in to, in bytes (99 KB on sm_86/89, 163 KB
     /// on sm_80, 227 KB on sm_90).
     pub smem_per_block: u32,
+    /// Shared memory of one SM, in bytes (228 KB on sm_90).
+    pub smem_per_sm: u32,
+    /// Shared memory the system reserves per resident block, in bytes (1 KB from sm_80 on).
+    pub smem_reserved_per_block: u32,
+    /// Peak DRAM bandwidth in bytes per second from the memory clock and bus width (3.35e12 on
+    /// the H100 SXM, 4.9e12 on the H200); 0 where the driver does not report them.
+    pub dram_bytes_per_s: f64,
 }
 
 /// The compute capability and SM count of `dev` (cached per device ordinal).
@@ -112,11 +119,28 @@ pub fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
     let smem_per_block = ctx
         .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         .map_err(|err| e("shared memory limit", err))? as u32;
+    let smem_per_sm = ctx
+        .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+        .map_err(|err| e("shared memory per multiprocessor", err))? as u32;
+    let smem_reserved_per_block =
+        ctx.attribute(DevAttr::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)
+            .map_err(|err| e("reserved shared memory per block", err))? as u32;
+    // kHz and bits; double data rate. Optional: only a heuristic reads it.
+    let dram_bytes_per_s = match (
+        ctx.attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE),
+        ctx.attribute(DevAttr::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH),
+    ) {
+        (Ok(khz), Ok(bits)) if khz > 0 && bits > 0 => khz as f64 * 1e3 * 2.0 * bits as f64 / 8.0,
+        _ => 0.0,
+    };
     let info = DeviceInfo {
         major,
         minor,
         sm_count,
         smem_per_block,
+        smem_per_sm,
+        smem_reserved_per_block,
+        dram_bytes_per_s,
     };
     cache
         .lock()
@@ -126,7 +150,8 @@ pub fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
 }
 
 /// Which kernel family and variant a problem runs on `dev`: the dispatcher's decision, exposed for
-/// the benchmark and tests.
+/// the benchmark and tests. A split-KV decode whose CTAs per SM are capped below what its shared
+/// memory allows adds ` (at most N CTAs per SM)`.
 pub fn describe(
     dev: &CudaDevice,
     p: &crate::AttnParams,
@@ -135,8 +160,25 @@ pub fn describe(
     v: &Tensor,
 ) -> Result<String> {
     let prob = crate::params::validate(q, k, v, p)?;
-    let v = choose(&prob, &device_info(dev)?)?;
-    Ok(v.symbol())
+    let info = device_info(dev)?;
+    let v = choose(&prob, &info)?;
+    Ok(v.symbol() + &decode_note(&prob, v, &info))
+}
+
+/// For a split-KV decode whose CTAs per SM are capped (`decode_capped_smem`): `" (at most N
+/// CTAs per SM)"`; otherwise empty.
+fn decode_note(p: &Problem, v: &Variant, info: &DeviceInfo) -> String {
+    if v.kind != KKind::Decode {
+        return String::new();
+    }
+    match decode_grid(p, v, info).capped {
+        Some(smem) => {
+            let per = info.smem_per_sm / (smem + info.smem_reserved_per_block);
+            let ctas = if per == 1 { "CTA" } else { "CTAs" };
+            format!(" (at most {per} {ctas} per SM)")
+        }
+        None => String::new(),
+    }
 }
 
 /// The same for a paged problem (`attention_paged` with `q` dense, or `attention_paged_varlen`
@@ -159,7 +201,7 @@ pub fn describe_paged(
     let info = device_info(dev)?;
     let v = choose(&prob, &info)?;
     if v.kind == KKind::Decode {
-        return Ok(v.symbol());
+        return Ok(v.symbol() + &decode_note(&prob, v, &info));
     }
     Ok(match page_box(v, &prob) {
         Some(rows) => format!("{} (in-kernel, {rows}-row boxes)", v.symbol()),
@@ -500,6 +542,126 @@ fn even_splits_forced() -> bool {
     *ENV.get_or_init(|| std::env::var("FLASHCORE_DECODE_EVEN").is_ok_and(|v| v == "1"))
 }
 
+/// `FLASHCORE_DECODE_OCCUPANCY=full`: split-KV decode grids run as many CTAs per SM as their
+/// shared memory allows, never capped by `decode_capped_smem` (an A/B aid). Read once.
+fn full_occupancy_forced() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENV.get_or_init(|| std::env::var("FLASHCORE_DECODE_OCCUPANCY").is_ok_and(|v| v == "full"))
+}
+
+/// Dynamic shared memory that caps a one-split decode grid of `ctas` blocks at fewer resident
+/// CTAs per SM than its shared memory allows, or `None` to launch it as it is. `page_size`: the
+/// paged pool's page rows; `sk`: the grid's keys per sequence.
+///
+/// A decode streams K/V once, and past what hides DRAM latency more loads in flight cost
+/// bandwidth. H100 (3.35 TB/s), bf16, 32/8 heads, contiguous cache (session 24, docs/perf.md):
+/// d128 at b64 × 32k 2781 µs with two CTAs per SM (128 KB of K/V in flight per SM), 2728 with
+/// one (64 KB); d64 at b64 × 16k 734 µs with five (160 KB), 703 with two. The cap aims at the
+/// fewest CTAs that keep 64 KB per SM in flight, scaled by the DRAM bandwidth: the H200
+/// (4.9 TB/s) ran the same grids 1-5 % slower capped at the H100's 64 KB, and its 94 KB keep
+/// both head dims at full occupancy. Paged pools keep two CTAs per SM at least where one CTA
+/// alone paid for every page-table read at its start or for a new page every tile:
+/// - pages shorter than two key tiles (d128 at b64 × 32k, pages of 64: 2824 µs with one CTA
+///   per SM against 2813 with two),
+/// - sequences of fewer than 8192 keys whose uncapped grid already fills its last wave
+///   (d128 at b64 × 4k, pages of 256: 372.2 against 369.0 µs; from 8k keys on one CTA gained,
+///   2805 → 2785 µs at 32k).
+///
+/// It applies where it was measured: sm_90, CTAs of at least 4 warps (d256's 2-warp CTAs ran
+/// 6 % slower alone on an SM), a grid larger than one capped wave whose last wave is at least
+/// 85 % full (d128 at b24 × 32k, 1.45 capped waves, ran 5-6 % slower on paged pools; at b48,
+/// 0.97 of a second capped wave against 0.45 uncapped, 5-7 % faster).
+fn decode_capped_smem(
+    v: &Variant,
+    info: &DeviceInfo,
+    ctas: usize,
+    page_size: Option<usize>,
+    sk: usize,
+) -> Option<u32> {
+    const H100_BYTES_PER_S: f64 = 3.35e12;
+    if info.major != 9 || v.warps < 4 || info.dram_bytes_per_s <= 0.0 || full_occupancy_forced() {
+        return None;
+    }
+    let (sms, per_sm, reserved) = (
+        info.sm_count,
+        info.smem_per_sm as usize,
+        info.smem_reserved_per_block as usize,
+    );
+    let natural = per_sm / (v.smem_bytes() as usize + reserved);
+    let fill = |per: usize| {
+        let wave = per * sms;
+        ctas as f64 / (ctas.div_ceil(wave) * wave) as f64
+    };
+    // K and V tiles of 2-byte elements in flight per CTA; the fewest CTAs that hold the target
+    // (5 % slack: the H100's reported clock gives 1.001 x its 64 KB)
+    let in_flight = (v.stages * v.block_n * v.head_dim * 2 * 2) as f64;
+    let target = 65536.0 * info.dram_bytes_per_s / H100_BYTES_PER_S;
+    let mut cap = ((target / in_flight - 0.05).ceil() as usize).max(1);
+    if let Some(ps) = page_size {
+        if ps < 2 * v.block_n as usize || (sk < 8192 && fill(natural) >= 0.85) {
+            cap = cap.max(2);
+        }
+    }
+    if cap >= natural || ctas <= cap * sms || fill(cap) < 0.85 {
+        return None;
+    }
+    // cap + 1 blocks of this footprint must not fit in the SM
+    let smem = (per_sm / (cap + 1) + 1)
+        .saturating_sub(reserved)
+        .next_multiple_of(128);
+    (smem <= info.smem_per_block as usize).then(|| (smem as u32).max(v.smem_bytes()))
+}
+
+/// A split-KV decode launch: key-range splits per sequence (`even`: the even split count), the
+/// grid's blocks, and the dynamic shared memory that caps its CTAs per SM (`decode_capped_smem`;
+/// `None`: the kernel's own).
+struct DecodeGrid {
+    even: usize,
+    splits: usize,
+    ctas: usize,
+    capped: Option<u32>,
+}
+
+fn decode_grid(p: &Problem, variant: &Variant, info: &DeviceInfo) -> DecodeGrid {
+    let sms = info.sm_count;
+    let (bm, bn) = (variant.block_m as usize, variant.block_n as usize);
+    // A paged cache whose pages split a key tile (page_size % block_n != 0: pages of 16 or 32)
+    // aims its splits at two CTAs per SM, which hides more of the several pages per tile. H100
+    // bf16, 32/8 heads d128, pages of 16, against the contiguous cache (session 16, call F, splits
+    // doubled, rows then looked up one by one): b8 x 4k/8k/32k 0.91/0.88/0.83 -> 0.95/0.95/0.93,
+    // b1 x 8k/32k 0.88/0.89 -> 0.92/0.91; pages of 64 and 256 (one page per tile) gained nothing.
+    // With a page per warp and tile (session 21, H200) one CTA per SM still loses at b1 and b8:
+    // b8 x 8k / 32k 0.980 / 1.001 with two, 0.914 / 0.904 with one.
+    let page_size = match p.keys {
+        Keys::Paged { page_size, .. } => Some(page_size),
+        _ => None,
+    };
+    let small_pages = page_size.is_some_and(|ps| ps % bn != 0);
+    let slots = if small_pages { 2 * sms } else { sms };
+    let even = decode_num_splits(p.b, p.hkv, p.hq, p.sq, p.sk, slots, bm, bn);
+    // A packed or paged batch's lengths differ, and the host does not know them (they are on
+    // the GPU): the split kernel balances its splits over them (`balanced_tps` in
+    // kernels/sm80/decode.cuh), on a grid of up to twice the even split count per sequence
+    // (the longest sequence's splits; a short one leaves its extra splits empty). H100, bf16,
+    // 32/8 heads d128, pages of 64, against even splits (session 22, docs/perf.md): 8 sequences
+    // of 1k..32k keys 234 -> 167 us, 16 of 128..32k 556 -> 438, 32 of 128..8k 198 -> 170; equal
+    // lengths lose 1-3 % (the empty splits), 32 of them 5 % (a combine where none ran).
+    let splits = balanced_splits(p, variant, even, small_pages);
+    let ctas = (p.h_ratio() * p.sq).div_ceil(bm) * splits * p.b * p.hkv;
+    // Split grids are sized to the SM count (or twice it) already.
+    let capped = if splits == 1 {
+        decode_capped_smem(variant, info, ctas, page_size, p.sk)
+    } else {
+        None
+    };
+    DecodeGrid {
+        even,
+        splits,
+        ctas,
+        capped,
+    }
+}
+
 /// Splits per sequence of a split-KV decode grid that balances its splits over the batch's
 /// lengths (more than `even`), or `even` where the kernel splits evenly: dense batches (equal
 /// lengths), one sequence, masked kernels (a causal decode of one row runs unmasked), more
@@ -537,27 +699,12 @@ fn decode(
     let symbol = variants::symbol(variant);
     let stream = dev.cuda_stream();
     let info = device_info(dev)?;
-    let sms = info.sm_count;
-    let (bm, bn) = (variant.block_m as usize, variant.block_n as usize);
-    // A paged cache whose pages split a key tile (page_size % block_n != 0: pages of 16 or 32)
-    // aims its splits at two CTAs per SM, which hides more of the several pages per tile. H100
-    // bf16, 32/8 heads d128, pages of 16, against the contiguous cache (session 16, call F, splits
-    // doubled, rows then looked up one by one): b8 x 4k/8k/32k 0.91/0.88/0.83 -> 0.95/0.95/0.93,
-    // b1 x 8k/32k 0.88/0.89 -> 0.92/0.91; pages of 64 and 256 (one page per tile) gained nothing.
-    // With a page per warp and tile (session 21, H200) one CTA per SM still loses at b1 and b8:
-    // b8 x 8k / 32k 0.980 / 1.001 with two, 0.914 / 0.904 with one.
-    let small_pages = matches!(p.keys, Keys::Paged { page_size, .. } if page_size % bn != 0);
-    let slots = if small_pages { 2 * sms } else { sms };
-    let even = decode_num_splits(p.b, p.hkv, p.hq, p.sq, p.sk, slots, bm, bn);
-    // A packed or paged batch's lengths differ, and the host does not know them (they are on
-    // the GPU): the split kernel balances its splits over them (`balanced_tps` in
-    // kernels/sm80/decode.cuh), on a grid of up to twice the even split count per sequence
-    // (the longest sequence's splits; a short one leaves its extra splits empty). H100, bf16,
-    // 32/8 heads d128, pages of 64, against even splits (session 22, docs/perf.md): 8 sequences
-    // of 1k..32k keys 234 -> 167 us, 16 of 128..32k 556 -> 438, 32 of 128..8k 198 -> 170; equal
-    // lengths lose 1-3 % (the empty splits), 32 of them 5 % (a combine where none ran).
-    let splits = balanced_splits(p, variant, even, small_pages);
-    let row_blocks = (p.h_ratio() * p.sq).div_ceil(bm);
+    let DecodeGrid {
+        even,
+        splits,
+        ctas,
+        capped,
+    } = decode_grid(p, variant, &info);
     // The balanced splits' budget: the even grid's working CTAs per K/V head and a slack of
     // half a split per sequence (without it, 16 sequences of 128..32k keys ran 560 us instead
     // of 425; capping it at one wave did the same).
@@ -566,7 +713,6 @@ fn decode(
     } else {
         0
     };
-    let ctas = row_blocks * splits * p.b * p.hkv;
     if ctas > i32::MAX as usize {
         return Err(launch::err(
             &symbol,
@@ -578,7 +724,15 @@ fn decode(
     let cfg = LaunchConfig {
         grid_dim: (ctas as u32, 1, 1),
         block_dim: (variant.threads(), 1, 1),
-        shared_mem_bytes: variant.smem_bytes(),
+        shared_mem_bytes: capped.unwrap_or(variant.smem_bytes()),
+    };
+    let f_capped;
+    let f = match capped {
+        Some(smem) => {
+            f_capped = launch::function(&stream, variant.family, &symbol, smem, shape)?;
+            &f_capped
+        }
+        None => f,
     };
     if splits == 1 {
         launch::launch_params(&stream, f, cfg, &prm, &symbol, shape)?;
