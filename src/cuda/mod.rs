@@ -79,9 +79,10 @@ pub struct DeviceInfo {
     /// Largest dynamic shared memory a block may opt in to, in bytes (99 KB on sm_86/89, 163 KB
     /// on sm_80, 227 KB on sm_90).
     pub smem_per_block: u32,
-    /// Shared memory of one SM, in bytes (228 KB on sm_90).
+    /// Shared memory of one SM, in bytes (228 KB on sm_90); 0 where the driver does not report it.
     pub smem_per_sm: u32,
-    /// Shared memory the system reserves per resident block, in bytes (1 KB from sm_80 on).
+    /// Shared memory the system reserves per resident block, in bytes (1 KB from sm_80 on; 0
+    /// where the driver does not report it).
     pub smem_reserved_per_block: u32,
     /// Peak DRAM bandwidth in bytes per second from the memory clock and bus width (3.35e12 on
     /// the H100 SXM, 4.9e12 on the H200); 0 where the driver does not report them.
@@ -119,13 +120,13 @@ pub fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
     let smem_per_block = ctx
         .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         .map_err(|err| e("shared memory limit", err))? as u32;
-    let smem_per_sm = ctx
-        .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
-        .map_err(|err| e("shared memory per multiprocessor", err))? as u32;
+    // Optional (0 when not reported): only the decode's occupancy cap reads these, and it stays
+    // off without them.
+    let optional = |a| ctx.attribute(a).ok().filter(|&x| x > 0).unwrap_or(0) as u32;
+    let smem_per_sm = optional(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR);
     let smem_reserved_per_block =
-        ctx.attribute(DevAttr::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)
-            .map_err(|err| e("reserved shared memory per block", err))? as u32;
-    // kHz and bits; double data rate. Optional: only a heuristic reads it.
+        optional(DevAttr::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK);
+    // kHz and bits; double data rate.
     let dram_bytes_per_s = match (
         ctx.attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE),
         ctx.attribute(DevAttr::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH),
@@ -579,7 +580,12 @@ fn decode_capped_smem(
     sk: usize,
 ) -> Option<u32> {
     const H100_BYTES_PER_S: f64 = 3.35e12;
-    if info.major != 9 || v.warps < 4 || info.dram_bytes_per_s <= 0.0 || full_occupancy_forced() {
+    if info.major != 9
+        || v.warps < 4
+        || info.dram_bytes_per_s <= 0.0
+        || info.smem_per_sm == 0
+        || full_occupancy_forced()
+    {
         return None;
     }
     let (sms, per_sm, reserved) = (
