@@ -718,3 +718,81 @@ fn decode_random() -> Result<()> {
     println!("decode_random: {count} cases passed");
     Ok(())
 }
+
+/// The decode's CTA-per-SM cap (`flashcore::cuda::decode_capped_smem`) on the figures the
+/// driver reports for the H100 SXM, the H200 and the A100 (no GPU needed): what was measured to
+/// help is capped (docs/perf.md, session 24), the rest launches as before, and a cap's shared
+/// memory lets exactly that many CTAs share an SM.
+#[test]
+fn decode_cap_rule_without_a_gpu() {
+    if std::env::var("FLASHCORE_DECODE_OCCUPANCY").as_deref() == Ok("full") {
+        println!("decode_cap_rule_without_a_gpu: skipped (FLASHCORE_DECODE_OCCUPANCY=full)");
+        return;
+    }
+    use flashcore::cuda::variants::{KDType, KKind, KMask, VARIANTS};
+    use flashcore::cuda::{decode_capped_smem, DeviceInfo};
+    let hopper = |dram_bytes_per_s| DeviceInfo {
+        major: 9,
+        minor: 0,
+        sm_count: 132,
+        smem_per_block: 232448,
+        smem_per_sm: 233472,
+        smem_reserved_per_block: 1024,
+        dram_bytes_per_s,
+    };
+    let (h100, h200) = (
+        hopper(2.619e9 * 2.0 * 5120.0 / 8.0),
+        hopper(3.201e9 * 2.0 * 6144.0 / 8.0),
+    );
+    let a100 = DeviceInfo {
+        major: 8,
+        minor: 0,
+        sm_count: 108,
+        smem_per_block: 166912,
+        smem_per_sm: 167936,
+        smem_reserved_per_block: 1024,
+        dram_bytes_per_s: 1.215e9 * 2.0 * 5120.0 / 8.0,
+    };
+    let decode = |d: u32| {
+        VARIANTS
+            .iter()
+            .find(|v| {
+                v.kind == KKind::Decode
+                    && v.dtype == KDType::Bf16
+                    && v.head_dim == d
+                    && v.mask == KMask::None
+            })
+            .expect("a bf16 decode kernel")
+    };
+    // (device, head dim, CTAs, page rows, keys, CTAs per SM wanted: None = not capped)
+    let cases = [
+        (&h100, 128, 512, None, 32768, Some(1)),
+        (&h100, 128, 384, None, 777, Some(1)),
+        (&h100, 64, 512, None, 16384, Some(2)),
+        (&h100, 64, 512, Some(64), 16384, Some(2)),
+        (&h100, 128, 512, Some(64), 32768, None),
+        (&h100, 128, 512, Some(256), 32768, Some(1)),
+        (&h100, 128, 512, Some(256), 4096, None),
+        (&h100, 128, 384, Some(256), 4096, Some(1)),
+        (&h100, 128, 192, None, 32768, None),
+        (&h100, 128, 320, None, 32768, None),
+        (&h100, 128, 128, None, 32768, None),
+        (&h100, 256, 512, None, 16384, None),
+        (&h200, 128, 512, None, 32768, None),
+        (&h200, 64, 512, None, 16384, None),
+        (&a100, 128, 512, None, 32768, None),
+    ];
+    for (info, d, ctas, page, sk, want) in cases {
+        let v = decode(d);
+        let got = decode_capped_smem(v, info, ctas, page, sk).map(|smem| {
+            assert!(smem >= v.smem_bytes() && smem <= info.smem_per_block);
+            info.smem_per_sm / (smem + info.smem_reserved_per_block)
+        });
+        assert_eq!(
+            got,
+            want,
+            "d{d}, {ctas} CTAs, pages {page:?}, {sk} keys, {} GB/s",
+            info.dram_bytes_per_s / 1e9
+        );
+    }
+}

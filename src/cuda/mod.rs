@@ -572,7 +572,10 @@ fn full_occupancy_forced() -> bool {
 /// 6 % slower alone on an SM), a grid larger than one capped wave whose last wave is at least
 /// 85 % full (d128 at b24 × 32k, 1.45 capped waves, ran 5-6 % slower on paged pools; at b48,
 /// 0.97 of a second capped wave against 0.45 uncapped, 5-7 % faster).
-fn decode_capped_smem(
+///
+/// Public for the tests (tests/gpu.rs checks the rule on the H100's, the H200's and the A100's
+/// figures without a GPU).
+pub fn decode_capped_smem(
     v: &Variant,
     info: &DeviceInfo,
     ctas: usize,
