@@ -120,20 +120,31 @@ pub fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
     let smem_per_block = ctx
         .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         .map_err(|err| e("shared memory limit", err))? as u32;
-    // Optional (0 when not reported): only the decode's occupancy cap reads these, and it stays
-    // off without them.
-    let optional = |a| ctx.attribute(a).ok().filter(|&x| x > 0).unwrap_or(0) as u32;
-    let smem_per_sm = optional(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR);
-    let smem_reserved_per_block =
-        optional(DevAttr::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK);
-    // kHz and bits; double data rate.
-    let dram_bytes_per_s = match (
-        ctx.attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE),
-        ctx.attribute(DevAttr::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH),
-    ) {
-        (Ok(khz), Ok(bits)) if khz > 0 && bits > 0 => khz as f64 * 1e3 * 2.0 * bits as f64 / 8.0,
-        _ => 0.0,
+    // Read for the decode's occupancy cap (`decode_capped_smem`); a value of 0 (not reported)
+    // turns the cap off, a failed query is an error like the others.
+    let attr = |a, what: &str| {
+        ctx.attribute(a)
+            .map_err(|err| e(what, err))
+            .map(|x| x.max(0))
     };
+    let smem_per_sm = attr(
+        DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+        "shared memory per multiprocessor",
+    )? as u32;
+    let smem_reserved_per_block = attr(
+        DevAttr::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK,
+        "reserved shared memory per block",
+    )? as u32;
+    // kHz and bits; double data rate
+    let khz = attr(
+        DevAttr::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
+        "memory clock rate",
+    )?;
+    let bits = attr(
+        DevAttr::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
+        "memory bus width",
+    )?;
+    let dram_bytes_per_s = khz as f64 * 1e3 * 2.0 * bits as f64 / 8.0;
     let info = DeviceInfo {
         major,
         minor,
