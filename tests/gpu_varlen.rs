@@ -1026,9 +1026,7 @@ fn decode_grids_capped_per_sm() -> Result<()> {
         (48, 777, 128, DType::BF16, 1),
         (64, 1000, 64, DType::F16, 2),
     ] {
-        let q = Tensor::randn(0f32, 1., (b, 1, 32, d), &dev)?.to_dtype(dtype)?;
-        let k = Tensor::randn(0f32, 1., (b, sk, 8, d), &dev)?.to_dtype(dtype)?;
-        let v = Tensor::randn(0f32, 1., (b, sk, 8, d), &dev)?.to_dtype(dtype)?;
+        let (q, k, v) = qkv(b, 1, sk, 32, 8, d, dtype, false, &dev)?;
         let p = AttnParams::default();
         let what = format!("capped dense b{b} sk{sk} d{d}");
         expect(

@@ -713,7 +713,6 @@ fn decode(
     p: &Problem,
     variant: &Variant,
     mut prm: FcParams,
-    f: &cudarc::driver::CudaFunction,
     shape: launch::Shape,
 ) -> Result<bool> {
     let symbol = variants::symbol(variant);
@@ -746,14 +745,13 @@ fn decode(
         block_dim: (variant.threads(), 1, 1),
         shared_mem_bytes: capped.unwrap_or(variant.smem_bytes()),
     };
-    let f_capped;
-    let f = match capped {
-        Some(smem) => {
-            f_capped = launch::function(&stream, variant.family, &symbol, smem, shape)?;
-            &f_capped
-        }
-        None => f,
-    };
+    let f = &launch::function(
+        &stream,
+        variant.family,
+        &symbol,
+        cfg.shared_mem_bytes,
+        shape,
+    )?;
     if splits == 1 {
         launch::launch_params(&stream, f, cfg, &prm, &symbol, shape)?;
         return Ok(false);
@@ -1034,7 +1032,8 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     let (kp, vp) = (prm.k, prm.v);
     let symbol = variants::symbol(variant);
     let smem = variant.smem_bytes();
-    let f = launch::function(&stream, variant.family, &symbol, smem, &shape)?;
+    // the split-KV decode looks its kernel up itself (with the shared memory of its grid)
+    let function = || launch::function(&stream, variant.family, &symbol, smem, &shape);
     // whether the kernels checked the tables themselves (the split-KV combine)
     let checked = match variant.kind {
         KKind::Fwd if variant.family == "sm90" => {
@@ -1141,6 +1140,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
                 block_dim: (variant.threads(), 1, 1),
                 shared_mem_bytes: smem,
             };
+            let f = function()?;
             let mut b = stream.launch_builder(&f);
             b.arg(&prm).arg(&tm_q).arg(&tm_k).arg(&tm_v).arg(&tm_o);
             // SAFETY: signature (FcParams, CUtensorMap x4) as in kernels/sm90/fwd.cuh; the maps
@@ -1159,10 +1159,10 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
             false
         }
         KKind::Fwd => {
-            sm80_fwd(p, variant, prm, &f, &stream, &symbol, &shape)?;
+            sm80_fwd(p, variant, prm, &function()?, &stream, &symbol, &shape)?;
             false
         }
-        KKind::Decode => decode(dev, p, variant, prm, &f, &shape)?,
+        KKind::Decode => decode(dev, p, variant, prm, &shape)?,
     };
     if (varlen_q || paged) && !checked {
         let pdl = device_info(dev)?.major == 9;
