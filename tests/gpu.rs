@@ -768,6 +768,8 @@ fn decode_cap_rule_without_a_gpu() {
     let cases = [
         (&h100, 128, 512, None, 32768, Some(1)),
         (&h100, 128, 384, None, 777, Some(1)),
+        (&h100, 128, 512, None, 4096, None),
+        (&h100, 128, 512, None, 8192, Some(1)),
         (&h100, 64, 512, None, 16384, Some(2)),
         (&h100, 64, 512, Some(64), 16384, Some(2)),
         (&h100, 128, 512, Some(64), 32768, None),

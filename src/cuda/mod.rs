@@ -570,14 +570,14 @@ fn full_occupancy_forced() -> bool {
 /// d128 at b64 × 32k 2781 µs with two CTAs per SM (128 KB of K/V in flight per SM), 2728 with
 /// one (64 KB); d64 at b64 × 16k 734 µs with five (160 KB), 703 with two. The cap aims at the
 /// fewest CTAs that keep 64 KB per SM in flight, scaled by the DRAM bandwidth: the H200
-/// (4.9 TB/s) ran the same grids 1-5 % slower capped at the H100's 64 KB, and its 94 KB keep
-/// both head dims at full occupancy. Paged pools keep two CTAs per SM at least where one CTA
-/// alone paid for every page-table read at its start or for a new page every tile:
-/// - pages shorter than two key tiles (d128 at b64 × 32k, pages of 64: 2824 µs with one CTA
-///   per SM against 2813 with two),
-/// - sequences of fewer than 8192 keys whose uncapped grid already fills its last wave
-///   (d128 at b64 × 4k, pages of 256: 372.2 against 369.0 µs; from 8k keys on one CTA gained,
-///   2805 → 2785 µs at 32k).
+/// (4.9 TB/s) ran the same grids 1-5 % slower capped at the H100's 64 KB; its 94 KB leave
+/// d128 uncapped and cap d64 at three CTAs per SM only where that fills the waves. Two CTAs per
+/// SM stay at least where one CTA alone waits at its start or pays a new page every tile:
+/// - pools of pages shorter than two key tiles (d128 at b64 × 32k, pages of 64: 2824 µs with
+///   one CTA per SM against 2813 with two),
+/// - sequences of fewer than 8192 keys whose uncapped grid already fills its last wave (d128
+///   at b64 × 4k: pages of 256 372.2 against 369.0 µs, the contiguous cache 366.7 against
+///   364.9; from 8k keys on one CTA gained, 2805 → 2785 µs at 32k, pages of 256).
 ///
 /// It applies where it was measured: sm_90, CTAs of at least 4 warps (d256's 2-warp CTAs ran
 /// 6 % slower alone on an SM), a grid larger than one capped wave whose last wave is at least
@@ -617,10 +617,9 @@ pub fn decode_capped_smem(
     let in_flight = (v.stages * v.block_n * v.head_dim * 2 * 2) as f64;
     let target = 65536.0 * info.dram_bytes_per_s / H100_BYTES_PER_S;
     let mut cap = ((target / in_flight - 0.05).ceil() as usize).max(1);
-    if let Some(ps) = page_size {
-        if ps < 2 * v.block_n as usize || (sk < 8192 && fill(natural) >= 0.85) {
-            cap = cap.max(2);
-        }
+    let short_pages = page_size.is_some_and(|ps| ps < 2 * v.block_n as usize);
+    if short_pages || (sk < 8192 && fill(natural) >= 0.85) {
+        cap = cap.max(2);
     }
     if cap >= natural || ctas <= cap * sms || fill(cap) < 0.85 {
         return None;
