@@ -984,7 +984,9 @@ fn decode_balanced_splits() -> Result<()> {
 /// (d128 at 48 sequences: one CTA per SM; d64 at 64: two), packed lengths and paged pools of 256
 /// rows (one CTA per SM) and of 64 (left at two: pages shorter than two key tiles). The route
 /// is asserted on the H100 (sm_90 at 3.35 TB/s) unless `FLASHCORE_DECODE_OCCUPANCY=full`;
-/// elsewhere the same cases run with whatever cap the GPU gets.
+/// elsewhere the same cases run with whatever cap the GPU gets. These one-split grids also
+/// launch in clusters of two CTAs on every sm_90 (`decode_cluster`), unless
+/// `FLASHCORE_DECODE_CLUSTER=1`; a one-sequence decode (a split grid) launches without.
 #[test]
 fn decode_grids_capped_per_sm() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -998,8 +1000,15 @@ fn decode_grids_capped_per_sm() -> Result<()> {
         && info.dram_bytes_per_s > 3e12
         && info.dram_bytes_per_s < 3.5e12
         && std::env::var("FLASHCORE_DECODE_OCCUPANCY").as_deref() != Ok("full");
+    let clustering =
+        info.major == 9 && std::env::var("FLASHCORE_DECODE_CLUSTER").as_deref() != Ok("1");
     let expect = |what: &str, route: &str, per: Option<usize>| -> Result<()> {
         println!("{what}: {route}");
+        if clustering && !route.contains("(clusters of 2)") {
+            return Err(Error::Msg(format!(
+                "{what}: route {route:?}, expected a one-split grid in clusters of 2 on sm_90"
+            )));
+        }
         if !capping {
             return Ok(());
         }
@@ -1035,6 +1044,19 @@ fn decode_grids_capped_per_sm() -> Result<()> {
             Some(per),
         )?;
         check_dense(&what, &q, &k, &v, &p)?;
+    }
+    // one sequence: a grid of key splits, no clusters and no cap
+    {
+        let (q, k, v) = qkv(1, 1, 4224, 32, 8, 128, DType::BF16, false, &dev)?;
+        let p = AttnParams::default();
+        let route = flashcore::cuda::describe(cuda, &p, &q, &k, &v)?;
+        println!("split b1 sk4224: {route}");
+        if route.contains("clusters") || route.contains("at most") {
+            return Err(Error::Msg(format!(
+                "split b1 sk4224: route {route:?}, expected no clusters and no CTA cap"
+            )));
+        }
+        check_dense("split b1 sk4224", &q, &k, &v, &p)?;
     }
     // packed lengths (0 and 1 included) and paged pools, 48 sequences, d128 32/8
     let lens: Vec<(usize, usize)> = (0..48)

@@ -173,6 +173,24 @@ fn launch_err(
     )
 }
 
+/// Launches `f(params)` with the attributes `ex` ([`launch_ex`]). Checked like
+/// [`launch_params`].
+pub(crate) fn launch_params_ex(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    params: &FcParams,
+    ex: Ex,
+    kernel: &str,
+    shape: Shape,
+) -> candle_core::Result<()> {
+    let mut args = [params as *const FcParams as *mut std::ffi::c_void];
+    // SAFETY: the kernel's signature is `(const FcParams)`; `args` holds one pointer to it, alive
+    // for the call (the driver copies parameters at launch). Pointers inside `params` refer to
+    // live allocations (checked by the caller).
+    unsafe { launch_ex(stream, f, cfg, &mut args, ex, kernel, shape) }
+}
+
 /// Launches `f(params)` as a programmatic dependent of the previous kernel on `stream`
 /// (`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, sm_90+): the grid may be scheduled
 /// while the previous one drains, and must execute `griddepcontrol.wait` before it reads that
@@ -185,11 +203,7 @@ pub(crate) fn launch_params_pdl(
     kernel: &str,
     shape: Shape,
 ) -> candle_core::Result<()> {
-    let mut args = [params as *const FcParams as *mut std::ffi::c_void];
-    // SAFETY: the kernel's signature is `(const FcParams)`; `args` holds one pointer to it, alive
-    // for the call (the driver copies parameters at launch). Pointers inside `params` refer to
-    // live allocations (checked by the caller).
-    unsafe { launch_pdl(stream, f, cfg, &mut args, kernel, shape) }
+    launch_params_ex(stream, f, cfg, params, Ex::pdl(), kernel, shape)
 }
 
 /// [`launch_params_pdl`] with any arguments.
@@ -205,22 +219,90 @@ pub(crate) unsafe fn launch_pdl(
     kernel: &str,
     shape: Shape,
 ) -> candle_core::Result<()> {
+    // SAFETY: as the caller promises.
+    unsafe { launch_ex(stream, f, cfg, args, Ex::pdl(), kernel, shape) }
+}
+
+/// Launch attributes of [`launch_ex`] (sm_90+).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ex {
+    /// A programmatic dependent of the previous kernel on the stream.
+    pub pdl: bool,
+    /// Thread-block clusters of this many consecutive blocks along x (1: none): the blocks of a
+    /// cluster run at the same time on one GPC. The grid's x must be a multiple.
+    pub cluster: u32,
+}
+
+impl Ex {
+    /// A programmatic dependent launch, unless `FLASHCORE_NO_PDL=1` (then an ordinary
+    /// stream-ordered launch, where `griddepcontrol.wait` is a no-op; for debugging, read once
+    /// per process).
+    fn pdl() -> Ex {
+        static NO_PDL: OnceLock<bool> = OnceLock::new();
+        let off =
+            *NO_PDL.get_or_init(|| std::env::var_os("FLASHCORE_NO_PDL").is_some_and(|v| v != "0"));
+        Ex {
+            pdl: !off,
+            cluster: 1,
+        }
+    }
+}
+
+/// Launches `f(args)` through `cuLaunchKernelEx` with the attributes `ex`. Checked like
+/// [`launch_params`].
+///
+/// # Safety
+/// As [`launch_pdl`].
+pub(crate) unsafe fn launch_ex(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &mut [*mut std::ffi::c_void],
+    ex: Ex,
+    kernel: &str,
+    shape: Shape,
+) -> candle_core::Result<()> {
     use cudarc::driver::sys;
-    let fail =
-        |what: String| launch_err(kernel, shape, &cfg, ", programmatic dependent launch", what);
+    let how = match (ex.pdl, ex.cluster > 1) {
+        (true, false) => ", programmatic dependent launch".to_string(),
+        (pdl, true) => format!(
+            ", clusters of {}{}",
+            ex.cluster,
+            if pdl {
+                ", programmatic dependent launch"
+            } else {
+                ""
+            }
+        ),
+        (false, false) => String::new(),
+    };
+    let fail = |what: String| launch_err(kernel, shape, &cfg, &how, what);
+    if ex.cluster > 1 && !cfg.grid_dim.0.is_multiple_of(ex.cluster) {
+        return Err(fail(format!(
+            "the grid's x ({}) is not a multiple of the cluster size {}",
+            cfg.grid_dim.0, ex.cluster
+        )));
+    }
     stream
         .context()
         .bind_to_thread()
         .map_err(|e| fail(format!("binding the context: {e}")))?;
-    // SAFETY: a zeroed attribute value is valid for every union member; we set the one we use.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
-    // FLASHCORE_NO_PDL=1: the same launch without the attribute, an ordinary stream-ordered
-    // launch (`griddepcontrol.wait` is then a no-op). For debugging; read once per process.
-    static NO_PDL: OnceLock<bool> = OnceLock::new();
-    let pdl =
-        !*NO_PDL.get_or_init(|| std::env::var_os("FLASHCORE_NO_PDL").is_some_and(|v| v != "0"));
+    // SAFETY: a zeroed attribute value is valid for every union member; we set the ones we use.
+    let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+    let mut n = 0;
+    if ex.pdl {
+        attrs[n].id =
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[n].value.programmaticStreamSerializationAllowed = 1;
+        n += 1;
+    }
+    if ex.cluster > 1 {
+        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attrs[n].value.clusterDim.x = ex.cluster;
+        attrs[n].value.clusterDim.y = 1;
+        attrs[n].value.clusterDim.z = 1;
+        n += 1;
+    }
     let config = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
@@ -230,10 +312,10 @@ pub(crate) unsafe fn launch_pdl(
         blockDimZ: cfg.block_dim.2,
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: u32::from(pdl),
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: n as u32,
     };
-    // SAFETY: as the caller promises for `args`; `config` and its attribute outlive the call.
+    // SAFETY: as the caller promises for `args`; `config` and its attributes outlive the call.
     let r = unsafe {
         sys::cuLaunchKernelEx(
             &config,

@@ -162,8 +162,9 @@ pub fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
 }
 
 /// Which kernel family and variant a problem runs on `dev`: the dispatcher's decision, exposed for
-/// the benchmark and tests. A split-KV decode whose CTAs per SM are capped below what its shared
-/// memory allows adds ` (at most N CTAs per SM)`.
+/// the benchmark and tests. A split-KV decode launched in thread-block clusters adds
+/// ` (clusters of N)`, and one whose CTAs per SM are capped below what its shared memory allows
+/// ` (at most N CTAs per SM)`.
 pub fn describe(
     dev: &CudaDevice,
     p: &crate::AttnParams,
@@ -177,20 +178,24 @@ pub fn describe(
     Ok(v.symbol() + &decode_note(&prob, v, &info))
 }
 
-/// For a split-KV decode whose CTAs per SM are capped (`decode_capped_smem`): `" (at most N
-/// CTAs per SM)"`; otherwise empty.
+/// For a split-KV decode: `" (clusters of N)"` when it launches in clusters (`decode_cluster`),
+/// then `" (at most N CTAs per SM)"` when its CTAs per SM are capped (`decode_capped_smem`);
+/// otherwise empty.
 fn decode_note(p: &Problem, v: &Variant, info: &DeviceInfo) -> String {
     if v.kind != KKind::Decode {
         return String::new();
     }
-    match decode_grid(p, v, info).capped {
-        Some(smem) => {
-            let per = info.smem_per_sm / (smem + info.smem_reserved_per_block);
-            let ctas = if per == 1 { "CTA" } else { "CTAs" };
-            format!(" (at most {per} {ctas} per SM)")
-        }
-        None => String::new(),
+    let grid = decode_grid(p, v, info);
+    let mut note = String::new();
+    if grid.cluster > 1 {
+        note += &format!(" (clusters of {})", grid.cluster);
     }
+    if let Some(smem) = grid.capped {
+        let per = info.smem_per_sm / (smem + info.smem_reserved_per_block);
+        let ctas = if per == 1 { "CTA" } else { "CTAs" };
+        note += &format!(" (at most {per} {ctas} per SM)");
+    }
+    note
 }
 
 /// The same for a paged problem (`attention_paged` with `q` dense, or `attention_paged_varlen`
@@ -632,13 +637,14 @@ pub fn decode_capped_smem(
 }
 
 /// A split-KV decode launch: key-range splits per sequence (`even`: the even split count), the
-/// grid's blocks, and the dynamic shared memory that caps its CTAs per SM (`decode_capped_smem`;
-/// `None`: the kernel's own).
+/// grid's blocks, the dynamic shared memory that caps its CTAs per SM (`decode_capped_smem`;
+/// `None`: the kernel's own), and its thread-block clusters (`decode_cluster`; 1: none).
 struct DecodeGrid {
     even: usize,
     splits: usize,
     ctas: usize,
     capped: Option<u32>,
+    cluster: u32,
 }
 
 fn decode_grid(p: &Problem, variant: &Variant, info: &DeviceInfo) -> DecodeGrid {
@@ -678,6 +684,32 @@ fn decode_grid(p: &Problem, variant: &Variant, info: &DeviceInfo) -> DecodeGrid 
         splits,
         ctas,
         capped,
+        cluster: decode_cluster(info, splits, ctas),
+    }
+}
+
+/// `FLASHCORE_DECODE_CLUSTER=1`: split-KV decode grids launch without thread-block clusters
+/// (an A/B aid; `decode_cluster`). Read once.
+fn decode_cluster_off() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENV.get_or_init(|| std::env::var("FLASHCORE_DECODE_CLUSTER").is_ok_and(|v| v == "1"))
+}
+
+/// Thread-block cluster size of a split-KV decode launch: 2 for one-split grids of an even
+/// block count on sm_90, else 1 (no cluster). The grid's consecutive blocks are the K/V heads of
+/// one sequence, so a cluster pairs two heads that read the same cache rows (the same pages of a
+/// paged pool) and runs them together on one GPC. H100, bf16, L2 flushed, µs, clusters of 2
+/// against none (session 25, docs/perf.md): d128 32/8 b64 × 32k pages of 64 2802.2–2810.5
+/// against 2812.5–2821.1 (FA4's paged decode 2808.7–2816.5 in the same calls), pages of 256 and
+/// the contiguous cache within ±0.2 %; d64 b64 × 16k 703 → 699 (pages of 256 718.7 → 715.7); d256 16/4 b64 × 16k
+/// 1410 → 1398 (pages of 64 1428.6 → 1412.4). Clusters of 4 or 8 ran 2–20 % slower (the GPC's
+/// slots no longer fill), and the multi-split grids of b1/b8 0–1 % slower with pairs (19.2 →
+/// 19.4 µs at b1 × 4k): those launch without. The H200 ran every case within ±0.1 % either way.
+fn decode_cluster(info: &DeviceInfo, splits: usize, ctas: usize) -> u32 {
+    if info.major == 9 && splits == 1 && ctas.is_multiple_of(2) && !decode_cluster_off() {
+        2
+    } else {
+        1
     }
 }
 
@@ -722,6 +754,7 @@ fn decode(
         splits,
         ctas,
         capped,
+        cluster,
     } = decode_grid(p, variant, &info);
     // The balanced splits' budget: the even grid's working CTAs per K/V head and a slack of
     // half a split per sequence (without it, 16 sequences of 128..32k keys ran 560 us instead
@@ -752,7 +785,15 @@ fn decode(
         shape,
     )?;
     if splits == 1 {
-        launch::launch_params(&stream, f, cfg, &prm, &symbol, shape)?;
+        if cluster > 1 {
+            let ex = launch::Ex {
+                pdl: false,
+                cluster,
+            };
+            launch::launch_params_ex(&stream, f, cfg, &prm, ex, &symbol, shape)?;
+        } else {
+            launch::launch_params(&stream, f, cfg, &prm, &symbol, shape)?;
+        }
         return Ok(false);
     }
     // A packed or paged batch's combine checks the tables itself (one check kernel launch less:
