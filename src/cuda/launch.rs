@@ -263,20 +263,23 @@ pub(crate) unsafe fn launch_ex(
     shape: Shape,
 ) -> candle_core::Result<()> {
     use cudarc::driver::sys;
-    let how = match (ex.pdl, ex.cluster > 1) {
-        (true, false) => ", programmatic dependent launch".to_string(),
-        (pdl, true) => format!(
-            ", clusters of {}{}",
-            ex.cluster,
-            if pdl {
-                ", programmatic dependent launch"
-            } else {
-                ""
-            }
-        ),
-        (false, false) => String::new(),
+    // the launch kind in an error message (formatted only when an error is built)
+    let fail = |what: String| {
+        let how = match (ex.pdl, ex.cluster > 1) {
+            (true, false) => ", programmatic dependent launch".to_string(),
+            (pdl, true) => format!(
+                ", clusters of {}{}",
+                ex.cluster,
+                if pdl {
+                    ", programmatic dependent launch"
+                } else {
+                    ""
+                }
+            ),
+            (false, false) => String::new(),
+        };
+        launch_err(kernel, shape, &cfg, &how, what)
     };
-    let fail = |what: String| launch_err(kernel, shape, &cfg, &how, what);
     if ex.cluster > 1 && !cfg.grid_dim.0.is_multiple_of(ex.cluster) {
         return Err(fail(format!(
             "the grid's x ({}) is not a multiple of the cluster size {}",
