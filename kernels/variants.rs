@@ -177,6 +177,24 @@ impl Variant {
             !needs || self.has_cap_body()
         }
     }
+    /// Whether this variant takes a problem of `sq` query rows in each of `bh` (batch, head)
+    /// pairs on a GPU of `sms` SMs, by how many CTAs its tiles give. d64 on sm90 only: the
+    /// 256-row tile (`sm90_d64_short`) serves problems with at least as many of its query tiles
+    /// as SMs; the 128-row tiles serve causal problems up to 1k rows (`sm90_d64_causal_short`)
+    /// and any problem whose 128-row tiles all run at once, one per SM (`sm90_d64_small`; causal
+    /// too): each CTA then walks the keys for 128 rows instead of 192. Between that and a full
+    /// grid of 192-row tiles, the 128-row ones would take a second round on some SMs (2 x 1500
+    /// rows x 8 heads causal: 29.9 against 29.0 us, H100, session 26).
+    pub const fn serves_grid(&self, sq: usize, bh: usize, sms: usize) -> bool {
+        if !self.is_family("sm90") || !matches!(self.kind, KKind::Fwd) || self.head_dim != 64 {
+            return true;
+        }
+        match self.block_m {
+            256 => sq.div_ceil(256) * bh >= sms,
+            128 => (matches!(self.mask, KMask::Causal) && sq <= 1024) || sq.div_ceil(128) * bh <= sms,
+            _ => true,
+        }
+    }
     /// Whether this variant takes a dense problem with (`cap`) or without a softcap.
     pub const fn admits_softcap(&self, cap: bool) -> bool {
         self.admits(cap, false)
@@ -374,18 +392,30 @@ const fn sm90_staged(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, bl
 /// latency-bound (session 6 profile): a fourth consumer warpgroup hides more of it. Same-binary
 /// A/B on the H100 against 192x128 (session 7, calls C and D, bf16): +8.5 / +6.3 % at 512 / 1k
 /// (2 stages: +3.4-5.1 / +4.5-5.8 %, calls A and B); from 2k up the 64-key tiles lose (2 stages,
-/// call A: -3 % at 2k, -7 % at 8k and 16k).
+/// call A: -3 % at 2k, -7 % at 8k and 16k). Where it has fewer query tiles than the GPU has SMs
+/// (`Variant::serves_grid`) the later entries take over (session 16, call C: 1x8x512 16.6 ->
+/// 14.7 us on 192x128; session 26: 13.3 us on 128x128).
 const fn sm90_d64_short(dtype: KDType) -> Variant {
     sm90_staged(dtype, 64, KMask::None, 256, 64, 1024, 4)
 }
 
-/// Causal d64 up to 1k query rows: 128-row tiles. With 192-row ones the causal grid computes
+/// Non-causal d64 on grids of at most one 128-row query tile per SM (`Variant::serves_grid`):
+/// more CTAs, each walking the keys for fewer rows than on the 192-row tile. H100, bf16, CUDA
+/// events after an L2 flush (session 26): 1x8x512 14.7 -> 13.3 us, 1x16x1024 21.2 -> 19.0,
+/// 1x4x2048 30.5 -> 26.8.
+const fn sm90_d64_small(dtype: KDType) -> Variant {
+    sm90_tile(dtype, 64, KMask::None, 128, 128, u32::MAX)
+}
+
+/// Causal d64 up to 1k query rows, and above 1k on grids of at most one 128-row query tile per
+/// SM (`Variant::serves_grid`; 1x8x2048 34.0 -> 29.5 us, 1x4x4096 57.0 -> 47.6, session 26):
+/// 128-row tiles. With 192-row ones the causal grid computes
 /// 1.7x / 1.5x / 1.18x / 1.12x the useful work at 512 / 1k / 2k / 4k (128 rows: 1.25x / 1.12x /
 /// 1.06x / 1.03x). Same-call A/B on the H100 (session 3, docs/perf.md): 128 rows +13 % / +16 % /
 /// +1 % / -2 % at 512 / 1k / 2k / 4k. On today's kernel the 192-row tile wins 2k: +2.5 % in the
 /// same call (session 11, call B, bf16, two runs each), so 128 rows keep <= 1k.
 const fn sm90_d64_causal_short(dtype: KDType) -> Variant {
-    sm90_tile(dtype, 64, KMask::Causal, 128, 128, 1024)
+    sm90_tile(dtype, 64, KMask::Causal, 128, 128, u32::MAX)
 }
 
 /// Non-causal d128 up to 1k query rows: 128-key tiles; longer problems take 128x160 (`sm90`).
@@ -422,6 +452,8 @@ pub fn combine_symbol(family: &str, dtype: KDType, head_dim: u32) -> String {
 pub const VARIANTS: &[Variant] = &[
     narrow(sm90_d64_short(KDType::Bf16), 32),
     sm90_d64_short(KDType::Bf16),
+    narrow(sm90_d64_small(KDType::Bf16), 32),
+    sm90_d64_small(KDType::Bf16),
     narrow(sm90(KDType::Bf16, 64, KMask::None), 32),
     sm90(KDType::Bf16, 64, KMask::None),
     narrow(sm90_d64_causal_short(KDType::Bf16), 32),
@@ -459,6 +491,8 @@ pub const VARIANTS: &[Variant] = &[
     cap(sm90(KDType::Bf16, 256, KMask::Causal)),
     narrow(sm90_d64_short(KDType::F16), 32),
     sm90_d64_short(KDType::F16),
+    narrow(sm90_d64_small(KDType::F16), 32),
+    sm90_d64_small(KDType::F16),
     narrow(sm90(KDType::F16, 64, KMask::None), 32),
     sm90(KDType::F16, 64, KMask::None),
     narrow(sm90_d64_causal_short(KDType::F16), 32),

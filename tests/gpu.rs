@@ -209,9 +209,11 @@ fn random_problems() -> Result<()> {
     Ok(())
 }
 
-/// Short d64 problems without a mask: the 256-row tile (`_256x64_s4`) when it has at least as many
-/// query tiles as the GPU has SMs, the 192-row one below that (the dispatcher's `starves`). Both
-/// checked against the reference; the kernel names are asserted on the sm90 dispatch.
+/// d64 problems by grid size (`Variant::serves_grid`): without a mask the 256-row tile
+/// (`_256x64_s4`) when it has at least as many query tiles as the GPU has SMs, the 192-row one
+/// below that, and the 128-row one when its query tiles fit one per SM; causal above 1k rows the
+/// 128-row tile likewise. Each checked against the reference; the kernel names
+/// are asserted on the sm90 dispatch.
 #[test]
 fn short_d64_tiles_by_problem_size() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -219,11 +221,27 @@ fn short_d64_tiles_by_problem_size() -> Result<()> {
     let Device::Cuda(cuda) = &dev else {
         unreachable!()
     };
-    // (b, sq, sk, hq, hkv, tile when sm90): 16 tiles of 256 rows; 1 x 40 x 4 = 160 >= 132 SMs
-    // (H100; a GPU with more SMs than 160 takes 192 rows for both)
-    for (b, sq, sk, hq, hkv, tile) in [
-        (1, 512, 512, 8, 8, "_192x128"),
-        (1, 1000, 600, 40, 8, "_256x64_s4"),
+    // (b, sq, sk, hq, hkv, mask, tile when sm90, asserted on GPUs of more SMs than the first
+    // count and at most the second):
+    // 4 x 8 = 32 tiles of 128 rows; 4 x 40 = 160 of 256 rows; 2 x 64 = 128 of 256 rows and
+    // 4 x 64 = 256 of 128 rows (H100: 132 SMs); causal 16 x 4 = 64 and 9 x 64 = 576 of 128 rows
+    let sms = flashcore::cuda::device_info(cuda)?.sm_count;
+    for (b, sq, sk, hq, hkv, mask, tile, least, most) in [
+        (1, 512, 512, 8, 8, Mask::None, "_128x128", 31, usize::MAX),
+        (1, 1000, 600, 40, 8, Mask::None, "_256x64_s4", 0, 160),
+        (4, 512, 512, 16, 4, Mask::None, "_192x128", 128, 255),
+        (
+            1,
+            2048,
+            2048,
+            4,
+            1,
+            Mask::Causal,
+            "_128x128",
+            63,
+            usize::MAX,
+        ),
+        (2, 1100, 1100, 32, 8, Mask::Causal, "_192x128", 0, 575),
     ] {
         let c = Case {
             b,
@@ -233,12 +251,11 @@ fn short_d64_tiles_by_problem_size() -> Result<()> {
             hkv,
             d: 64,
             dtype: DType::BF16,
-            mask: Mask::None,
+            mask,
             strided: false,
         };
         let (e, ne, kernel) = check(&dev, &c)?;
-        let sms = flashcore::cuda::device_info(cuda)?.sm_count;
-        if kernel.contains("_sm90_") && (tile == "_192x128" || sms <= 160) {
+        if kernel.contains("_sm90_") && least < sms && sms <= most {
             assert!(kernel.ends_with(tile), "{c}: ran {kernel}, want {tile}");
         }
         println!("[OK] {c}: err {e:.2e} (naive {ne:.2e}) {kernel}");
@@ -298,12 +315,14 @@ fn narrow_twins_on_every_tile() -> Result<()> {
     };
     let sms = flashcore::cuda::device_info(cuda)?.sm_count;
     // (width, mask, b, sq, sk, hq, hkv, tile): the tiles of d64, d128 and d256 by problem size
-    // (the 256-row d64 tile needs a query tile per SM: 4 x 40 = 160 >= 132 on the H100)
+    // (the 256-row d64 tile needs a query tile per SM: 4 x 40 = 160 >= 132 on the H100; the
+    // 192-row d64 ones here have 12 x 40 = 480 query tiles of 128 rows, the 128-row one 16)
     let tiles = [
         (32, Mask::None, 1, 1000, 600, 40, 8, "_256x64_s4"),
-        (32, Mask::None, 1, 1500, 1500, 2, 1, "_192x128"),
+        (32, Mask::None, 1, 1500, 1500, 40, 8, "_192x128"),
+        (32, Mask::None, 1, 500, 700, 4, 2, "_128x128"),
         (32, Mask::Causal, 2, 500, 700, 4, 1, "_128x128"),
-        (32, Mask::Causal, 1, 1500, 1500, 2, 2, "_192x128"),
+        (32, Mask::Causal, 1, 1500, 1500, 40, 40, "_192x128"),
         (96, Mask::None, 2, 500, 300, 4, 2, "_128x128"),
         (96, Mask::None, 1, 1500, 1400, 2, 1, "_128x160"),
         (96, Mask::Causal, 1, 700, 900, 4, 4, "_128x128"),

@@ -42,6 +42,7 @@ fn pick_cap(
             && sq <= v.max_sq
             && v.admits_softcap(cap)
             && v.narrow == 0 // the class's own head dim: narrow twins serve narrower ones
+            && v.serves_grid(sq as usize, 1 << 12, 132) // a grid that fills every tile
     })
 }
 
@@ -105,6 +106,59 @@ fn every_class_serves_every_seq_len() {
             let long = pick_sq(class, SMEM_SM90, 2049).unwrap();
             assert_eq!((short.block_n, long.block_n), (64, 80), "d256 {mask:?}");
         }
+    }
+}
+
+/// On grids of at most one 128-row d64 query tile per SM the dispatcher takes the 128-row
+/// tiles (`Variant::serves_grid`); larger grids keep the 256- and 192-row tiles.
+#[test]
+fn small_d64_grids_take_128_row_tiles() {
+    let sms = 132;
+    let take = |mask: KMask, sq: usize, bh: usize| {
+        VARIANTS
+            .iter()
+            .find(|v| {
+                v.family == "sm90"
+                    && v.kind == KKind::Fwd
+                    && v.dtype == KDType::Bf16
+                    && v.head_dim == 64
+                    && v.mask == mask
+                    && v.narrow == 0
+                    && !v.paged
+                    && !v.softcap
+                    && sq as u32 <= v.max_sq
+                    && v.serves_grid(sq, bh, sms)
+            })
+            .map(|v| v.block_m)
+            .expect("a d64 sm90 kernel")
+    };
+    // (mask, seq_q, batch x heads, block_m)
+    let cases = [
+        (KMask::None, 512, 8, 128), // the seeds' 1x8x512: 4 x 8 = 32 tiles of 128 rows
+        (KMask::None, 1024, 16, 128), // 8 x 16 = 128
+        (KMask::None, 1024, 20, 192), // 160 of 128 rows, 6 x 20 = 120 of 192
+        (KMask::None, 2048, 4, 128), // 16 x 4 = 64
+        (KMask::None, 512, 64, 192), // 2 x 64 = 128 tiles of 256 rows, 4 x 64 = 256 of 128
+        (KMask::None, 512, 132, 256), // 2 x 132 tiles of 256 rows
+        (KMask::None, 1025, 1024, 192), // past the 256-row tile's 1k
+        (KMask::Causal, 512, 1024, 128),
+        (KMask::Causal, 2048, 8, 128), // 16 x 8 = 128 tiles of 128 rows
+        (KMask::Causal, 2048, 16, 192), // 256
+        (KMask::Causal, 1500, 16, 192), // 12 x 16 = 192
+    ];
+    for (mask, sq, bh, want) in cases {
+        assert_eq!(
+            take(mask, sq, bh),
+            want,
+            "{mask:?} seq_q {sq}, {bh} (batch, head) pairs"
+        );
+    }
+    // only d64 on sm90 depends on the grid
+    for v in VARIANTS
+        .iter()
+        .filter(|v| v.head_dim != 64 || v.family != "sm90")
+    {
+        assert!(v.serves_grid(1, 1, 132), "{}", v.symbol());
     }
 }
 
@@ -397,7 +451,7 @@ fn narrow_twins_precede_their_kernel() {
         "narrow twins for every sm90 tile (softcap twins aside)"
     );
     assert_eq!(
-        n, 30,
-        "narrow twins: d64 and d128 (7 tiles), d256 (4 tiles, two widths), bf16 and f16"
+        n, 32,
+        "narrow twins: d64 and d128 (8 tiles), d256 (4 tiles, two widths), bf16 and f16"
     );
 }

@@ -364,14 +364,6 @@ fn smem_budget(info: &DeviceInfo) -> Result<u32> {
     })
 }
 
-/// The 256-row d64 tile (`sm90_d64_short`) on a problem with fewer of its query tiles than the
-/// GPU has SMs: the next entry (192 rows) spreads the work over more of them. H100, bf16, CUDA
-/// events after an L2 flush (session 16, call C): 1x8x512 16.6 -> 14.7 us, 2x8x512 17.2 -> 15.4,
-/// 1x16x1024 25.1 -> 21.3; at 128 tiles (4x16x512) the 256-row tile still wins, 19.8 against 23.9.
-fn starves(v: &Variant, p: &Problem, sms: usize) -> bool {
-    v.block_m == 256 && p.sq.div_ceil(256) * p.hq * p.b < sms
-}
-
 /// The variant that runs `p` on a GPU of family `arch` with `smem` bytes of shared memory per
 /// block: the first compiled candidate in the variant table's order of preference that fits.
 /// Otherwise an error saying which option has no GPU kernel (yet), or what does not fit.
@@ -452,13 +444,13 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
                 too_big.push(format!("{} needs {} B", v.symbol(), v.smem_bytes()));
             } else if p.sq > v.max_sq as usize
                 || !v.admits(modified, general)
-                || starves(v, p, info.sm_count)
+                || !v.serves_grid(p.sq, p.hq * p.b, info.sm_count)
                 || (v.narrow > 0 && p.d > v.narrow as usize)
                 || (v.paged && !(twin_pages && p.d == v.head_dim as usize))
             {
                 // a later entry serves longer queries, the problem's softcap choice
                 // (`Variant::admits`: softcap twins, kernels with a general body), small
-                // problems (`starves`), head dims wider than a narrow twin's, or problems
+                // problems (`Variant::serves_grid`), head dims wider than a narrow twin's, or problems
                 // other than a paged twin's
                 continue;
             } else {
