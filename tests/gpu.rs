@@ -699,6 +699,55 @@ fn decode_sweep() -> Result<()> {
     Ok(())
 }
 
+/// On sm_90 a few more query rows than the decode's 16 run its split-KV kernels over long keys
+/// when the prefill grid would leave SMs idle and the packed rows make at most 16 blocks of 64
+/// from 4k keys, 32 from 16k (`decode_beats_starved_prefill` in src/cuda/mod.rs): each case
+/// against the reference, and on sm90 the route asserted, on both sides of each bound.
+#[test]
+fn decode_takes_a_few_more_rows_on_sm90() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    let info = flashcore::cuda::device_info(cuda)?;
+    // the route is asserted on the sm90 dispatch of a GPU with 32..=132 SMs (H100 SXM, H200)
+    let sm90 = info.major == 9
+        && std::env::var_os("FLASHCORE_TEST_ARCH").is_none()
+        && (32..=132).contains(&info.sm_count);
+    // (b, sq, sk, hq, hkv, d, mask, decode on sm90)
+    let cases = [
+        (1, 17, 4096, 32, 8, 128, Mask::Causal, true), // 8 x 2 blocks
+        (1, 32, 5000, 8, 8, 128, Mask::None, true),    // 8 x 1
+        (1, 64, 16384, 32, 8, 64, Mask::Causal, true), // 8 x 4 = 32 blocks
+        (1, 64, 8192, 32, 8, 128, Mask::None, false),  // 32 blocks, too few keys
+        (1, 24, 4100, 32, 8, 128, Mask::None, true),
+        (1, 17, 4095, 32, 8, 128, Mask::Causal, false), // too few keys
+        (2, 64, 4096, 32, 8, 128, Mask::Causal, false), // 64 blocks
+        (1, 17, 4096, 32, 8, 256, Mask::Causal, false), // d256
+        (1, 100, 4096, 8, 1, 128, Mask::None, true),    // 800 packed rows: 13 blocks
+    ];
+    for (n, (b, sq, sk, hq, hkv, d, mask, decode)) in cases.into_iter().enumerate() {
+        let c = Case {
+            b,
+            sq,
+            sk,
+            hq,
+            hkv,
+            d,
+            dtype: if n % 2 == 0 { DType::BF16 } else { DType::F16 },
+            mask,
+            strided: n % 3 == 1,
+        };
+        let (e, ne, kernel) = check(&dev, &c)?;
+        if sm90 {
+            assert_eq!(kernel.contains("decode"), decode, "{c}: ran {kernel}");
+        }
+        println!("[OK] {c}: err {e:.2e} (naive {ne:.2e}) {kernel}");
+    }
+    Ok(())
+}
+
 #[test]
 fn decode_random() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };

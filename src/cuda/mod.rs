@@ -364,6 +364,25 @@ fn smem_budget(info: &DeviceInfo) -> Result<u32> {
     })
 }
 
+/// Whether a problem of more query rows than `DECODE_MAX_SQ` runs the split-KV decode kernels
+/// on sm_90. The sm90 prefill grid has `ceil(seq_q / 128) * hq * b` CTAs; with fewer than the SMs
+/// each CTA walks every key for its tile, so its time is one tile's walk (1 x 32/8 heads, d128,
+/// causal, 32k keys: 365-370 us for any seq_q from 17 to 256). The decode kernel splits the keys
+/// over the SMs and pays for its packed 64-row blocks (`h_ratio * seq_q` rows per K/V head and
+/// sequence) at mma.sync rates, about 9 us per block at 32k keys: it wins with up to 16 blocks
+/// from 4k keys and up to 32 from 16k, at head dims up to 128 (d256 packs 32-row blocks).
+/// H100, bf16, CUDA events after an L2 flush (session 26, calls 13-14), us, prefill -> decode,
+/// 32/8 heads d128 causal unless noted: seq_q 17 over 32k 364-367 -> 148; 32 over 32k 365 ->
+/// 148 (pages of 64: 370 -> 154); 32 over 8k 99.4 -> 51.2; 32 over 4k 54.5 -> 35.1; b2 x 32 over
+/// 16k 189 -> 151 (32 blocks); 64 over 32k 365 -> 279 (32 blocks; MHA 369 -> 284); and where
+/// it would lose: 64 over 4k non-causal 50.0 -> 53.4 (32 blocks), 256 over 32k 370 -> 1033, b8
+/// x 64 over 8k 210 -> 532.
+fn decode_beats_starved_prefill(p: &Problem, sms: usize) -> bool {
+    let blocks = p.b * p.hkv * (p.h_ratio() * p.sq).div_ceil(64);
+    let keys_pay = (blocks <= 16 && p.sk >= 4096) || (blocks <= 32 && p.sk >= 16384);
+    p.d <= 128 && p.sq.div_ceil(128) * p.hq * p.b < sms && keys_pay
+}
+
 /// The variant that runs `p` on a GPU of family `arch` with `smem` bytes of shared memory per
 /// block: the first compiled candidate in the variant table's order of preference that fits.
 /// Otherwise an error saying which option has no GPU kernel (yet), or what does not fit.
@@ -420,8 +439,11 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
     };
     let mut candidates: Vec<(&str, KKind)> = Vec::new();
     // Few query rows against a key range: split-KV decode (memory bound; the sm80 family's
-    // mma.sync kernel serves every arch).
-    if p.sq <= variants::DECODE_MAX_SQ as usize {
+    // mma.sync kernel serves every arch), on sm_90 also a few more over long keys
+    // (`decode_beats_starved_prefill`).
+    if p.sq <= variants::DECODE_MAX_SQ as usize
+        || (arch == Arch::Sm90 && decode_beats_starved_prefill(p, info.sm_count))
+    {
         candidates.push(("sm80", KKind::Decode));
     }
     if arch == Arch::Sm90 {
