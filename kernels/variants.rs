@@ -109,6 +109,13 @@ pub struct Variant {
     /// The dispatcher gives it the paged prefill problems without a score modifier whose pools
     /// hold whole pages of power-of-two rows (`takes_pages`), and nothing else.
     pub paged: bool,
+    /// sm90 forward only: the key-split twin (symbol suffix `_kvs`, `FC_SM90_FWD_KVS`) of a
+    /// 128-row d64 / d128 kernel. Launched in clusters of 2 or 4 CTAs per query tile, each
+    /// walking a chunk of the tile's keys; rank 0 gathers the others' partial O, maxima and sums
+    /// through distributed shared memory and writes O and the LSE (kernels/sm90/fwd.cuh `SPLIT`).
+    /// The dispatcher gives it the problems whose 128-row tiles leave most SMs idle
+    /// (`kv_splits` in src/cuda/mod.rs), and nothing else.
+    pub kv_split: bool,
 }
 
 impl Variant {
@@ -126,6 +133,8 @@ impl Variant {
             "_cap".to_string()
         } else if self.paged {
             "_pg".to_string()
+        } else if self.kv_split {
+            "_kvs".to_string()
         } else if self.narrow > 0 {
             format!("_n{}", self.narrow)
         } else {
@@ -153,6 +162,8 @@ impl Variant {
             "_NARROW"
         } else if self.paged {
             "_PG"
+        } else if self.kv_split {
+            "_KVS"
         } else {
             ""
         }
@@ -320,7 +331,7 @@ const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         (128, _) => (128, 32, 4, 2),
         _ => (128, 64, 8, 1),
     };
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false }
 }
 
 const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -328,14 +339,14 @@ const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // stage, 226 KB (H100 / sm_90 only). Per 128-key tile a warp reads 88 KB of smem for 32 x 128
     // outputs where the 128x64 tile's warps read 144 KB for 16 x 256. Forced sm80 on the H100,
     // bf16 8 x 8 heads x 2k non-causal: 355 TFLOPS against 306 (session 4, docs/perf.md).
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false, narrow: 0, paged: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false, narrow: 0, paged: false, kv_split: false }
 }
 
 const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // d256 for GPUs with 99 KB of smem per block (sm_86/89): 64x32, 4 warps, 2 stages = 96 KB.
     // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100 (session 3, docs/perf.md),
     // where the 128 KB tile above runs 1.04-1.08x.
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false }
 }
 
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -345,7 +356,7 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         256 => (32, 32, 2, 2),
         _ => (64, 64, 4, 2),
     };
-    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false }
+    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false }
 }
 
 const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -377,6 +388,12 @@ const fn pg(v: Variant) -> Variant {
     Variant { paged: true, ..v }
 }
 
+/// The key-split twin of an sm90 kernel (`Variant::kv_split`).
+/// It serves any seq_q (the key split is for few query tiles, whatever their length).
+const fn kvs(v: Variant) -> Variant {
+    Variant { kv_split: true, max_sq: u32::MAX, ..v }
+}
+
 /// The narrow twin of an sm90 kernel computing `width` head-dim columns (`Variant::narrow`).
 const fn narrow(v: Variant, width: u32) -> Variant {
     Variant { narrow: width, ..v }
@@ -384,7 +401,7 @@ const fn narrow(v: Variant, width: u32) -> Variant {
 
 const fn sm90_staged(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, block_n: u32, max_sq: u32, stages: u32) -> Variant {
     let warps = (block_m / 64 + 1) * 4;
-    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false, softcap: false, narrow: 0, paged: false }
+    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false }
 }
 
 /// Non-causal d64 up to 1k query rows: 256x64 tiles, four consumer warpgroups, a 4-deep K/V ring
@@ -413,7 +430,7 @@ const fn sm90_d64_small(dtype: KDType) -> Variant {
 /// 1.7x / 1.5x / 1.18x / 1.12x the useful work at 512 / 1k / 2k / 4k (128 rows: 1.25x / 1.12x /
 /// 1.06x / 1.03x). Same-call A/B on the H100 (session 3, docs/perf.md): 128 rows +13 % / +16 % /
 /// +1 % / -2 % at 512 / 1k / 2k / 4k. On today's kernel the 192-row tile wins 2k: +2.5 % in the
-/// same call (session 11, call B, bf16, two runs each), so 128 rows keep <= 1k.
+/// same call (session 11, call B, bf16, two runs each), so on full grids 128 rows keep <= 1k.
 const fn sm90_d64_causal_short(dtype: KDType) -> Variant {
     sm90_tile(dtype, 64, KMask::Causal, 128, 128, u32::MAX)
 }
@@ -453,21 +470,25 @@ pub const VARIANTS: &[Variant] = &[
     narrow(sm90_d64_short(KDType::Bf16), 32),
     sm90_d64_short(KDType::Bf16),
     narrow(sm90_d64_small(KDType::Bf16), 32),
+    kvs(sm90_d64_small(KDType::Bf16)),
     sm90_d64_small(KDType::Bf16),
     narrow(sm90(KDType::Bf16, 64, KMask::None), 32),
     sm90(KDType::Bf16, 64, KMask::None),
     narrow(sm90_d64_causal_short(KDType::Bf16), 32),
+    kvs(sm90_d64_causal_short(KDType::Bf16)),
     sm90_d64_causal_short(KDType::Bf16),
     narrow(sm90(KDType::Bf16, 64, KMask::Causal), 32),
     sm90(KDType::Bf16, 64, KMask::Causal),
     pg(sm90_d128_short(KDType::Bf16)),
     narrow(sm90_d128_short(KDType::Bf16), 96),
+    kvs(sm90_d128_short(KDType::Bf16)),
     sm90_d128_short(KDType::Bf16),
     pg(sm90(KDType::Bf16, 128, KMask::None)),
     narrow(sm90(KDType::Bf16, 128, KMask::None), 96),
     sm90(KDType::Bf16, 128, KMask::None),
     pg(sm90(KDType::Bf16, 128, KMask::Causal)),
     narrow(sm90(KDType::Bf16, 128, KMask::Causal), 96),
+    kvs(sm90(KDType::Bf16, 128, KMask::Causal)),
     sm90(KDType::Bf16, 128, KMask::Causal),
     pg(sm90_d256_short(KDType::Bf16, KMask::None)),
     narrow(sm90_d256_short(KDType::Bf16, KMask::None), 160),
@@ -492,21 +513,25 @@ pub const VARIANTS: &[Variant] = &[
     narrow(sm90_d64_short(KDType::F16), 32),
     sm90_d64_short(KDType::F16),
     narrow(sm90_d64_small(KDType::F16), 32),
+    kvs(sm90_d64_small(KDType::F16)),
     sm90_d64_small(KDType::F16),
     narrow(sm90(KDType::F16, 64, KMask::None), 32),
     sm90(KDType::F16, 64, KMask::None),
     narrow(sm90_d64_causal_short(KDType::F16), 32),
+    kvs(sm90_d64_causal_short(KDType::F16)),
     sm90_d64_causal_short(KDType::F16),
     narrow(sm90(KDType::F16, 64, KMask::Causal), 32),
     sm90(KDType::F16, 64, KMask::Causal),
     pg(sm90_d128_short(KDType::F16)),
     narrow(sm90_d128_short(KDType::F16), 96),
+    kvs(sm90_d128_short(KDType::F16)),
     sm90_d128_short(KDType::F16),
     pg(sm90(KDType::F16, 128, KMask::None)),
     narrow(sm90(KDType::F16, 128, KMask::None), 96),
     sm90(KDType::F16, 128, KMask::None),
     pg(sm90(KDType::F16, 128, KMask::Causal)),
     narrow(sm90(KDType::F16, 128, KMask::Causal), 96),
+    kvs(sm90(KDType::F16, 128, KMask::Causal)),
     sm90(KDType::F16, 128, KMask::Causal),
     pg(sm90_d256_short(KDType::F16, KMask::None)),
     narrow(sm90_d256_short(KDType::F16, KMask::None), 160),

@@ -256,7 +256,12 @@ fn short_d64_tiles_by_problem_size() -> Result<()> {
         };
         let (e, ne, kernel) = check(&dev, &c)?;
         if kernel.contains("_sm90_") && least < sms && sms <= most {
-            assert!(kernel.ends_with(tile), "{c}: ran {kernel}, want {tile}");
+            // (small grids may split their keys over clusters: the key-split twin of the tile)
+            let sym = kernel.split(' ').next().unwrap_or_default();
+            assert!(
+                sym.trim_end_matches("_kvs").ends_with(tile),
+                "{c}: ran {kernel}, want {tile}"
+            );
         }
         println!("[OK] {c}: err {e:.2e} (naive {ne:.2e}) {kernel}");
     }
@@ -316,7 +321,8 @@ fn narrow_twins_on_every_tile() -> Result<()> {
     let sms = flashcore::cuda::device_info(cuda)?.sm_count;
     // (width, mask, b, sq, sk, hq, hkv, tile): the tiles of d64, d128 and d256 by problem size
     // (the 256-row d64 tile needs a query tile per SM: 4 x 40 = 160 >= 132 on the H100; the
-    // 192-row d64 ones here have 12 x 40 = 480 query tiles of 128 rows, the 128-row one 16)
+    // 192-row d64 ones here have 12 x 40 = 480 query tiles of 128 rows, the 128-row one 16;
+    // the d128 128x160 case has 12 x 12 = 144, too many for the key-split clusters)
     let tiles = [
         (32, Mask::None, 1, 1000, 600, 40, 8, "_256x64_s4"),
         (32, Mask::None, 1, 1500, 1500, 40, 8, "_192x128"),
@@ -324,7 +330,7 @@ fn narrow_twins_on_every_tile() -> Result<()> {
         (32, Mask::Causal, 2, 500, 700, 4, 1, "_128x128"),
         (32, Mask::Causal, 1, 1500, 1500, 40, 40, "_192x128"),
         (96, Mask::None, 2, 500, 300, 4, 2, "_128x128"),
-        (96, Mask::None, 1, 1500, 1400, 2, 1, "_128x160"),
+        (96, Mask::None, 1, 1500, 1400, 12, 1, "_128x160"),
         (96, Mask::Causal, 1, 700, 900, 4, 4, "_128x128"),
         (160, Mask::None, 2, 500, 600, 2, 1, "_128x64"),
         (160, Mask::None, 1, 2200, 2100, 2, 2, "_128x80"),
@@ -363,7 +369,12 @@ fn narrow_twins_on_every_tile() -> Result<()> {
                         "{c}: ran {kernel}"
                     );
                 } else {
-                    assert!(kernel.ends_with(tile), "{c}: ran {kernel}, want {tile}");
+                    // the full kernel, or on small grids its key-split twin
+                    let sym = kernel.split(' ').next().unwrap_or_default();
+                    assert!(
+                        sym.trim_end_matches("_kvs").ends_with(tile),
+                        "{c}: ran {kernel}, want {tile}"
+                    );
                 }
             }
             println!("[OK] {c}: err {e:.2e} (naive {ne:.2e}) {kernel}");
@@ -699,27 +710,31 @@ fn decode_sweep() -> Result<()> {
     Ok(())
 }
 
+/// Whether a test asserts the sm90 dispatcher's route on `dev`: an sm_90 GPU whose SM count
+/// `sms` admits, without `FLASHCORE_TEST_ARCH` (which forces another family).
+fn sm90_route_asserted(dev: &Device, sms: impl Fn(usize) -> bool) -> Result<bool> {
+    let Device::Cuda(cuda) = dev else {
+        return Ok(false);
+    };
+    let info = flashcore::cuda::device_info(cuda)?;
+    Ok(info.major == 9 && std::env::var_os("FLASHCORE_TEST_ARCH").is_none() && sms(info.sm_count))
+}
+
 /// On sm_90 a few more query rows than the decode's 16 run its split-KV kernels over long keys
 /// when the prefill grid would leave SMs idle and the packed rows make at most 16 blocks of 64
-/// from 4k keys, 32 from 16k (`decode_beats_starved_prefill` in src/cuda/mod.rs): each case
-/// against the reference, and on sm90 the route asserted, on both sides of each bound.
+/// from 4k keys (`decode_beats_starved_prefill` in src/cuda/mod.rs): each case against the
+/// reference, and on sm90 the route asserted, on both sides of each bound.
 #[test]
 fn decode_takes_a_few_more_rows_on_sm90() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     arch_under_test();
-    let Device::Cuda(cuda) = &dev else {
-        unreachable!()
-    };
-    let info = flashcore::cuda::device_info(cuda)?;
     // the route is asserted on the sm90 dispatch of a GPU with 32..=132 SMs (H100 SXM, H200)
-    let sm90 = info.major == 9
-        && std::env::var_os("FLASHCORE_TEST_ARCH").is_none()
-        && (32..=132).contains(&info.sm_count);
+    let sm90 = sm90_route_asserted(&dev, |sms| (32..=132).contains(&sms))?;
     // (b, sq, sk, hq, hkv, d, mask, decode on sm90)
     let cases = [
         (1, 17, 4096, 32, 8, 128, Mask::Causal, true), // 8 x 2 blocks
         (1, 32, 5000, 8, 8, 128, Mask::None, true),    // 8 x 1
-        (1, 64, 16384, 32, 8, 64, Mask::Causal, true), // 8 x 4 = 32 blocks
+        (1, 64, 16384, 32, 8, 64, Mask::Causal, false), // 8 x 4 = 32 blocks: the key split
         (1, 64, 8192, 32, 8, 128, Mask::None, false),  // 32 blocks, too few keys
         (1, 24, 4100, 32, 8, 128, Mask::None, true),
         (1, 17, 4095, 32, 8, 128, Mask::Causal, false), // too few keys
@@ -742,6 +757,67 @@ fn decode_takes_a_few_more_rows_on_sm90() -> Result<()> {
         let (e, ne, kernel) = check(&dev, &c)?;
         if sm90 {
             assert_eq!(kernel.contains("decode"), decode, "{c}: ran {kernel}");
+        }
+        println!("[OK] {c}: err {e:.2e} (naive {ne:.2e}) {kernel}");
+    }
+    Ok(())
+}
+
+/// sm90 grids of few 128-row query tiles split each tile's keys over a cluster of 2 or 4 CTAs
+/// whose rank 0 gathers the others' partials through distributed shared memory (the key-split
+/// twins, `kv_splits` in src/cuda/mod.rs): awkward lengths (1 to 9000 keys, seq_q above seq_k
+/// causal so that some ranks walk no key of their own and some rows see no key at all), GQA
+/// 1 / 4 / 8, strided views, both dtypes; each against the reference with poisoned outputs, and
+/// on a 132-SM sm90 GPU (H100 SXM, H200) the route and cluster size asserted.
+#[test]
+fn key_split_clusters_on_sm90() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let sm90 = sm90_route_asserted(&dev, |sms| sms == 132)?
+        && std::env::var_os("FLASHCORE_SM90_KV_SPLITS").is_none();
+    // (b, sq, sk, hq, hkv, d, mask, clusters on a 132-SM sm90; 0 = no key split): clusters of 2
+    // where 2 x ceil(sq / 128) x hq x b <= 132 and sk >= 16 x the kernel's head dim, each bound
+    // from both sides
+    let cases = [
+        (1, 200, 1023, 4, 1, 64, Mask::None, 0), // too few keys for d64
+        (1, 200, 1025, 4, 1, 64, Mask::None, 2), // 9 key tiles: chunks of 5 and 4
+        (1, 200, 2047, 4, 1, 128, Mask::None, 0), // too few keys for d128
+        (1, 200, 2048, 4, 1, 128, Mask::None, 2), // 16 key tiles
+        (1, 1000, 4096, 8, 8, 128, Mask::None, 2), // 64 tiles
+        (1, 1100, 4096, 8, 8, 128, Mask::None, 0), // 72 tiles: clusters would not fit
+        (1, 113, 4000, 8, 2, 128, Mask::Causal, 2), // GQA 4
+        (1, 1023, 3000, 8, 1, 64, Mask::Causal, 2), // GQA 8, 64 tiles
+        (1, 2500, 2100, 2, 2, 64, Mask::Causal, 2), // rows < 400 see no key; one-key-tile tiles
+        (1, 64, 9000, 32, 32, 128, Mask::None, 2), // 71 key tiles
+        (1, 4224, 4224, 1, 1, 128, Mask::Causal, 2), // 33 tiles
+        (3, 100, 2048, 8, 8, 64, Mask::None, 2), // 24 tiles
+        (1, 512, 5000, 12, 4, 64, Mask::Causal, 2), // 48 tiles
+        (1, 129, 1, 16, 4, 64, Mask::None, 0),   // one key
+        (1, 2048, 2048, 16, 16, 128, Mask::Causal, 0), // 256 tiles: a full grid
+    ];
+    for (n, (b, sq, sk, hq, hkv, d, mask, clusters)) in cases.into_iter().enumerate() {
+        let c = Case {
+            b,
+            sq,
+            sk,
+            hq,
+            hkv,
+            d,
+            dtype: if n % 2 == 0 { DType::BF16 } else { DType::F16 },
+            mask,
+            strided: n % 3 == 1,
+        };
+        let (e, ne, kernel) = check(&dev, &c)?;
+        if sm90 {
+            let want = format!("_kvs (keys split over clusters of {clusters})");
+            if clusters > 0 {
+                assert!(kernel.ends_with(&want), "{c}: ran {kernel}, want {want}");
+            } else {
+                assert!(
+                    !kernel.contains("_kvs"),
+                    "{c}: ran {kernel}, want no key split"
+                );
+            }
         }
         println!("[OK] {c}: err {e:.2e} (naive {ne:.2e}) {kernel}");
     }

@@ -42,6 +42,7 @@ fn pick_cap(
             && sq <= v.max_sq
             && v.admits_softcap(cap)
             && v.narrow == 0 // the class's own head dim: narrow twins serve narrower ones
+            && !v.kv_split // full grids: no key split
             && v.serves_grid(sq as usize, 1 << 12, 132) // a grid that fills every tile
     })
 }
@@ -330,8 +331,8 @@ fn sm90_kernels_fit_hopper() {
     }
 }
 
-/// Every paged twin is a full-width d128 / d256 sm90 forward kernel listed before its narrow twins
-/// and the kernel itself (same tile), every such kernel but the softcap ones has one, and a twin
+/// Every paged twin is a full-width d128 / d256 sm90 forward kernel listed before its narrow and
+/// key-split twins and the kernel itself (same tile), every such kernel but the softcap ones has one, and a twin
 /// reads power-of-two pages from 16 rows in-kernel.
 #[test]
 fn paged_twins_precede_their_kernel() {
@@ -353,7 +354,7 @@ fn paged_twins_precede_their_kernel() {
         let own = Variant { paged: false, ..*v };
         let next = VARIANTS[i + 1..]
             .iter()
-            .find(|w| w.narrow == 0)
+            .find(|w| w.narrow == 0 && !w.kv_split)
             .expect("a paged twin is not last");
         assert_eq!(
             own.symbol(),
@@ -365,8 +366,15 @@ fn paged_twins_precede_their_kernel() {
             VARIANTS[i + 1..]
                 .iter()
                 .take_while(|w| w.symbol() != own.symbol())
-                .all(|w| w.narrow > 0 && Variant { narrow: 0, ..*w }.symbol() == own.symbol()),
-            "{}: only its kernel's narrow twins between it and the kernel",
+                .all(|w| {
+                    let base = Variant {
+                        narrow: 0,
+                        kv_split: false,
+                        ..*w
+                    };
+                    (w.narrow > 0 || w.kv_split) && base.symbol() == own.symbol()
+                }),
+            "{}: only its kernel's narrow and key-split twins between it and the kernel",
             v.symbol()
         );
         for page in [32usize, 64, 128, 256] {
@@ -389,6 +397,7 @@ fn paged_twins_precede_their_kernel() {
                 && !v.softcap
                 && v.narrow == 0
                 && !v.paged
+                && !v.kv_split
         })
         .count();
     assert_eq!(
@@ -422,7 +431,11 @@ fn narrow_twins_precede_their_kernel() {
             v.narrow,
             v.head_dim
         );
-        let next = VARIANTS.get(i + 1).expect("a narrow twin is not last");
+        // (a key-split twin may sit between the widest narrow twin and its kernel)
+        let next = VARIANTS[i + 1..]
+            .iter()
+            .find(|w| !w.kv_split)
+            .expect("a narrow twin is not last");
         let own = Variant { narrow: 0, ..*v }.symbol();
         if next.narrow > 0 {
             assert!(
@@ -440,7 +453,12 @@ fn narrow_twins_precede_their_kernel() {
         VARIANTS
             .iter()
             .filter(|v| {
-                v.family == "sm90" && v.head_dim == d && !v.softcap && v.narrow == 0 && !v.paged
+                v.family == "sm90"
+                    && v.head_dim == d
+                    && !v.softcap
+                    && v.narrow == 0
+                    && !v.paged
+                    && !v.kv_split
             })
             .count()
     };
@@ -453,5 +471,50 @@ fn narrow_twins_precede_their_kernel() {
     assert_eq!(
         n, 32,
         "narrow twins: d64 and d128 (8 tiles), d256 (4 tiles, two widths), bf16 and f16"
+    );
+}
+
+/// Every key-split twin (`Variant::kv_split`) is an sm90 forward kernel of 128x128 tiles at d64 or
+/// d128 (two consumer warpgroups: kernels/sm90/fwd.cuh `SPLIT`), listed right before the kernel
+/// it splits, with the same tile and shared memory, serving any seq_q; one for each of d64
+/// non-causal and causal and d128 non-causal (short) and causal, bf16 and f16.
+#[test]
+fn key_split_twins_precede_their_kernel() {
+    let mut n = 0;
+    for (i, v) in VARIANTS.iter().enumerate() {
+        if !v.kv_split {
+            continue;
+        }
+        assert!(
+            v.family == "sm90"
+                && v.kind == KKind::Fwd
+                && matches!(v.head_dim, 64 | 128)
+                && (v.block_m, v.block_n, v.stages) == (128, 128, 2)
+                && v.narrow == 0
+                && !v.paged
+                && !v.softcap
+                && v.max_sq == u32::MAX,
+            "{}",
+            v.symbol()
+        );
+        assert!(v.symbol().ends_with("_128x128_kvs"), "{}", v.symbol());
+        let next = VARIANTS.get(i + 1).expect("a key-split twin is not last");
+        let own = Variant {
+            kv_split: false,
+            max_sq: next.max_sq,
+            ..*v
+        };
+        assert_eq!(
+            own.symbol(),
+            next.symbol(),
+            "{} must precede its kernel",
+            v.symbol()
+        );
+        assert_eq!(v.smem_bytes(), next.smem_bytes(), "{}", v.symbol());
+        n += 1;
+    }
+    assert_eq!(
+        n, 8,
+        "key-split twins: d64 and d128, no mask and causal, bf16 and f16"
     );
 }

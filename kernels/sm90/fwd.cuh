@@ -52,7 +52,11 @@
 //   addresses 16-B aligned and their row/head/batch strides multiples of 8 elements; o base 16-B
 //   aligned and o strides multiples of 8 elements (TMA store, 16-byte zero stores); mask none or causal
 //   (window_left = -1, window_right in {-1, 0}); softcap == 0 and no ALiBi, or either for the
-//   FC_SM90_FWD_CAP twins (the score-modifier body); num_splits == 1. p.d <= HEAD_DIM (the
+//   FC_SM90_FWD_CAP twins (the score-modifier body); num_splits == 1, except for the
+//   FC_SM90_FWD_KVS twins (SPLIT): num_splits = 1, 2 or 4, grid (num_splits * tiles, 1, 1) in
+//   clusters of (num_splits, 1, 1), no tile counter: exactly one cluster per query tile (the
+//   exchange reuses the K/V ring, which the loads of a cluster's next tile could overwrite before
+//   rank 0 has read it). p.d <= HEAD_DIM (the
 //   FC_SM90_FWD_NARROW twins: p.d <= DV): the maps' globalDim d = p.d, so TMA zero-fills the
 //   columns beyond it and the O store clips them.
 //   Varlen (p.cu_seqlens_q/k set, fc::seq_range): q/o maps over the packed (d, total_q, hq, 1)
@@ -126,8 +130,17 @@ template <> struct TypeInfo<__half> {
 // over the pool: 64 columns, 8 rows, column blocks, head, the pool's row groups), so a tile of
 // 16-row pages at d128 takes 8 boxes per K or V instead of 16 (`load_tile`); the wgmma
 // descriptors step over the same bytes with other strides (KV_CB, KV_RG).
+// SPLIT: the key-split twin (`_kvs`, FC_SM90_FWD_KVS; the variant table's `kv_split`) for grids
+// with fewer query tiles than SMs. Launched in clusters of p.num_splits (2 or 4; 1 runs it like
+// its kernel) consecutive CTAs along x, one cluster per query tile: CTA `rank` of the cluster
+// walks the rank-th of num_splits contiguous chunks of the tile's key tiles (a rank whose chunk
+// is empty walks key tile 0 and discards it, so every rank runs the same code). The ranks > 0
+// leave their unnormalised O, reference maxima and row sums in their own K/V ring (free once both
+// consumer warpgroups are past their last P V) and arrive on rank 0's `x_ready`; rank 0 reads
+// them through distributed shared memory, rescales and adds them to its own, releases the others
+// through their `x_done`, and runs the epilogue alone.
 template <typename T, int D, int MASK, int BM, int BN, int STAGES, bool PINGPONG, bool CAP = false,
-          int DV = D, bool ILV = false>
+          int DV = D, bool ILV = false, bool SPLIT = false>
 struct FwdSm90 {
     static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128, 192 or 256");
     static_assert(DV % 16 == 0 && DV >= 32 && DV <= D, "narrow width: a multiple of 16, 32..D");
@@ -175,6 +188,12 @@ struct FwdSm90 {
     static_assert(!ILV || (PAGED && DV == D && BN % 16 == 0), "paged twin: a paged, full-width kernel");
     static constexpr int BAR_SCHED = 1;            // named barriers 1..NC: ping-pong
     static constexpr int BAR_EPI = 1 + NC;         // named barriers NC+1..2NC: per-WG epilogue
+    static constexpr int BAR_SPLIT = 1 + 2 * NC;   // the consumers of a key-split rank > 0
+    // A key-split rank's exchange region per consumer warpgroup: per thread its DV / 2 O values
+    // and (reference max in log2 units, partial row sum) x 2 rows, as float4 [DV / 8 + 1][128].
+    static constexpr uint32_t X_BYTES = (DV / 8 + 1) * 128 * 16;
+    static_assert(!SPLIT || (NC == 2 && SEP_O && !ILV && NC * X_BYTES <= 2 * STAGES * KV_BYTES),
+                  "key-split twin: two consumer warpgroups, an O buffer, the exchange inside the K/V ring");
     static constexpr bool BF = TypeInfo<T>::bf16;
     // Lazy rescale: a row keeps its reference max m until the true max exceeds it by more than
     // RESCALE_LOG2 in exp2 units (P <= 2^8 = 256 then: exact in f32, the same relative rounding in
@@ -278,15 +297,38 @@ struct FwdSm90 {
         auto sched_empty = [&](int s) { return bars + 16u + 8u * (4 * STAGES + 2 + s); };
         // slot words: m_block, h, bi, k0 (paged: sk), n_max, sq, sk, q0 (the tile's sequence: fc::seq_range)
         auto sched_val = [&](int s) { return bars + 16u + 8u * (4 * STAGES + 4) + 32u * s; };
-        static_assert(16 + 8 * (4 * STAGES + 4) + 64 <= 256, "barrier area");
+        // key split (SPLIT): rank 0's x_ready (the other ranks' partials are in their rings),
+        // the other ranks' x_done (rank 0 has read them)
+        const uint32_t x_ready = bars + 16u + 8u * (4 * STAGES + 4) + 64u;
+        const uint32_t x_done = x_ready + 8u;
+        static_assert(16 + 8 * (4 * STAGES + 4) + 64 + 16 <= 256, "barrier area");
 
         // ---- persistent static schedule: CTA `cta` takes tiles k*nctas + (k odd ? nctas-1-cta : cta) ----
+        // (key split: the clusters take the tiles as CTAs would, `rank` says which chunk of keys)
         const int num_m = (p.sq + BM - 1) / BM;
         const int total = num_m * p.hq * p.b;
-        const int nctas = gridDim.x * gridDim.y * gridDim.z;
-        const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int splits = SPLIT ? max(p.num_splits, 1) : 1;
+        const int rank = SPLIT ? (int)blockIdx.x % splits : 0;
+        const int nctas = gridDim.x * gridDim.y * gridDim.z / splits;
+        const int cta = (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) / splits;
         const int tid = threadIdx.x;
         const int wg = tid / 128;
+        // Key tiles [lo, hi) of this rank out of the tile's n_max >= 1 (all of them without a
+        // split); `discard`: an empty chunk, which walks tile 0 and drops the result.
+        auto key_range = [&](int n_max, int& lo, int& hi) {
+            if (!SPLIT) {
+                lo = 0;
+                hi = n_max;
+                return false;
+            }
+            const int chunk = (n_max + splits - 1) / splits;
+            lo = rank * chunk;
+            hi = min(n_max, lo + chunk);
+            if (lo < hi) return false;
+            lo = 0;
+            hi = 1;
+            return true;
+        };
 
         if (tid == 0) {
             mbar_init(bar_q, 1);
@@ -305,9 +347,15 @@ struct FwdSm90 {
                 mbar_init(sched_full(s), 1);
                 mbar_init(sched_empty(s), NC * 128 + (DYN ? 1 : 0));  // + the TMA warp
             }
+            if (SPLIT && splits > 1) {
+                mbar_init(x_ready, (splits - 1) * NC * 128);  // every consumer thread of the others
+                mbar_init(x_done, NC * 128);                  // every consumer thread of rank 0
+            }
             fence_barrier_init();
         }
         __syncthreads();
+        // the barriers of every CTA of the cluster are initialised before any remote arrival
+        if (SPLIT && splits > 1) cluster_sync();
         // The paged twins: the host's table check (fc_check_seqlens, a programmatic dependent)
         // may be scheduled now; it reads the tables on an SM this grid has left and waits for the
         // grid before writing, so it no longer adds its launch after the kernel.
@@ -397,6 +445,8 @@ struct FwdSm90 {
                     const int bq = p.cu_seqlens_q != nullptr ? 0 : bi;
                     const int bk = p.cu_seqlens_k != nullptr ? 0 : bi;
                     if (n_max <= 0) continue;
+                    int lo, hi;
+                    key_range(n_max, lo, hi);
                     // Key tile n of K or V into `dst`. Paged pools (p.page_table; page size
                     // 2^page_shift >= 16; the host maps the pools as (d, page_size, hkv, pages) with
                     // boxes of min(page_size, the largest power of two dividing BN) rows): lane j
@@ -446,7 +496,7 @@ struct FwdSm90 {
                         load_tile(sV + vs.stage * KV_BYTES, tmv, full_v(vs.stage), n);
                         vs.advance();
                     };
-                    load_k(n_max - 1);
+                    load_k(hi - 1);
                     // Q buffer is free once both consumer warpgroups finished the previous epilogue
                     mbar_wait(q_empty, (qi & 1) ^ 1);
                     if (lead) {
@@ -457,11 +507,11 @@ struct FwdSm90 {
                     }
                     ++qi;
 #pragma unroll 1
-                    for (int n = n_max - 2; n >= 0; --n) {
+                    for (int n = hi - 2; n >= lo; --n) {
                         load_k(n);
                         load_v(n + 1);
                     }
-                    load_v(0);
+                    load_v(lo);
                 }
                 if (!DYN) publish(-1, 0, 0, none);
             }
@@ -482,7 +532,7 @@ struct FwdSm90 {
         const uint32_t slice = c * 8192;
         constexpr int CPR = DV / 8;  // 16-byte chunks per output row
         PipeState<STAGES> ks, vs;
-        uint32_t qi = 0, si = 0;
+        uint32_t qi = 0, si = 0, xi = 0;
 
         float o[DV / 2];
         float s[BN / 2];
@@ -507,14 +557,14 @@ struct FwdSm90 {
                 head_batch(h, bi);
                 return fc::lse_ptr(p, bi, h, q0_of());
             };
-            const int NT = (int)fc::ld_shared_b32(sched_val(slot) + 16u);
+            const int n_max = (int)fc::ld_shared_b32(sched_val(slot) + 16u);
             // the tile's sequence: its query rows and keys (dense: p.sq, p.sk), re-read from the
             // slot where used (held in registers across the key loop, d128 causal spilled 32 B)
             auto sq_of = [&]() { return (int)fc::ld_shared_b32(sched_val(slot) + 20u); };
             auto sk_of = [&]() { return (int)fc::ld_shared_b32(sched_val(slot) + 24u); };
             const int row0 = m_block * BM + c * 64 + warp * 16 + g;  // rows row0 and row0 + 8
 
-            if (NT <= 0) {
+            if (n_max <= 0) {
                 int h, bi;
                 head_batch(h, bi);
                 T* og = reinterpret_cast<T*>(p.o) + (int64_t)bi * p.o_batch_stride + (int64_t)h * p.o_head_stride +
@@ -538,6 +588,10 @@ struct FwdSm90 {
                 continue;
             }
 
+            // this CTA's key tiles [lo, hi), walked from hi - 1 down (the whole tile's without a split)
+            int lo, hi;
+            const bool discard = key_range(n_max, lo, hi);
+            const int NT = hi - lo;
             m_r[0] = m_r[1] = -INFINITY;
             l_r[0] = l_r[1] = 0.f;
 #pragma unroll
@@ -723,14 +777,14 @@ struct FwdSm90 {
             if (FAST ? lane == 0 : t128 == 0) mbar_arrive(empty_k(ks.stage));
             ks.advance();
             float alpha[2];
-            cap_scores(NT - 1);
-            softmax(NT - 1, alpha);
+            cap_scores(hi - 1);
+            softmax(hi - 1, alpha);
             // Paged pools: the rows of the last key tile past the sequence's end hold whatever the
             // page holds (P is 0 there, but 0 * NaN is NaN): zero them in its V stage (the first
             // V tile of the loop) before any P V reads it. Both consumer warpgroups write the same
             // zeros; each fences its writes for the async proxy and syncs its own threads.
             if (PAGED && p.page_table != nullptr) {
-                const int valid = sk_of() - (NT - 1) * BN;
+                const int valid = sk_of() - (hi - 1) * BN;
                 if (valid < BN) {
                     mbar_wait(full_v(vs.stage), vs.phase);
                     uint8_t* const vt = smem_raw + (sV + vs.stage * KV_BYTES - raw);
@@ -774,7 +828,7 @@ struct FwdSm90 {
                 convert_p();
             };
             for (int i = 1; i < NT; ++i) {
-                const int n = NT - 1 - i;
+                const int n = hi - 1 - i;
                 finish_pv(i >= 2, n + 1);
                 mbar_wait(full_k(ks.stage), ks.phase);
                 sched_sync();
@@ -807,7 +861,7 @@ struct FwdSm90 {
                     softmax(n, alpha);
                 }
             }
-            finish_pv(NT >= 2, 0);
+            finish_pv(NT >= 2, lo);
             // all Q K^T of this tile are complete: with a separate O buffer, Q can be reloaded now
             if (SEP_O && (FAST ? lane == 0 : t128 == 0)) mbar_arrive(q_empty);
             // ---- tail: O += P_{T-1} V_{T-1} ----
@@ -824,6 +878,70 @@ struct FwdSm90 {
             fence_regs(pa);
             if (t128 == 0) mbar_arrive(empty_v(vs.stage));
             vs.advance();
+
+            // ================= key split: gather the other ranks' partials into rank 0 =================
+            if (SPLIT && splits > 1) {
+                const uint32_t xs = sK + c * X_BYTES + t128 * 16;  // this thread's float4 j at xs + j * 2048
+                if (discard) {  // (only ranks > 0: rank 0's chunk is never empty)
+                    m_r[0] = m_r[1] = -INFINITY;
+                    l_r[0] = l_r[1] = 0.f;
+#pragma unroll
+                    for (int j = 0; j < DV / 2; ++j) o[j] = 0.f;
+                }
+                if (rank > 0) {
+                    // both warpgroups are past their last P V: the ring holds no live K or V
+                    named_sync(BAR_SPLIT, NC * 128);
+#pragma unroll
+                    for (int j = 0; j < DV / 8; ++j)
+                        st_shared_v4(xs + j * 2048, make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]));
+                    const float mu0 = m_r[0] == -INFINITY ? -INFINITY : m_r[0] * sl2;
+                    const float mu1 = m_r[1] == -INFINITY ? -INFINITY : m_r[1] * sl2;
+                    st_shared_v4(xs + (DV / 8) * 2048, make_float4(mu0, mu1, l_r[0], l_r[1]));
+                    mbar_arrive_cluster(mapa(x_ready, 0));
+                    // rank 0 has read them (this CTA's smem must outlive the reads)
+                    mbar_wait(x_done, xi & 1);
+                    ++xi;
+                    mbar_arrive(sched_empty(slot));
+                    ++qi;
+                    continue;
+                }
+                mbar_wait_cluster(x_ready, xi & 1);
+                ++xi;
+                float mu[2], big[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) big[r] = mu[r] = m_r[r] == -INFINITY ? -INFINITY : m_r[r] * sl2;
+                for (int k = 1; k < splits; ++k) {
+                    const float4 ml = ld_cluster_v4(mapa(xs + (DV / 8) * 2048, k));
+                    big[0] = fmaxf(big[0], ml.x);
+                    big[1] = fmaxf(big[1], ml.y);
+                }
+                // rows that saw no key anywhere keep m = -inf, l = 0 (and O = 0)
+                const float ref[2] = {big[0] == -INFINITY ? 0.f : big[0], big[1] == -INFINITY ? 0.f : big[1]};
+                float f[2] = {ex2(mu[0] - ref[0]), ex2(mu[1] - ref[1])};
+#pragma unroll
+                for (int r = 0; r < 2; ++r) l_r[r] *= f[r];
+#pragma unroll
+                for (int j = 0; j < DV / 2; ++j) o[j] *= f[(j >> 1) & 1];
+                for (int k = 1; k < splits; ++k) {
+                    const float4 ml = ld_cluster_v4(mapa(xs + (DV / 8) * 2048, k));
+                    f[0] = ex2(ml.x - ref[0]);
+                    f[1] = ex2(ml.y - ref[1]);
+                    l_r[0] += f[0] * ml.z;
+                    l_r[1] += f[1] * ml.w;
+                    const uint32_t peer = mapa(xs, k);
+#pragma unroll
+                    for (int j = 0; j < DV / 8; ++j) {
+                        const float4 v = ld_cluster_v4(peer + j * 2048);
+                        o[4 * j] += f[0] * v.x;
+                        o[4 * j + 1] += f[0] * v.y;
+                        o[4 * j + 2] += f[1] * v.z;
+                        o[4 * j + 3] += f[1] * v.w;
+                    }
+                }
+                for (int k = 1; k < splits; ++k) mbar_arrive_cluster(mapa(x_done, k));
+#pragma unroll
+                for (int r = 0; r < 2; ++r) m_r[r] = big[r] == -INFINITY ? -INFINITY : big[r] / sl2;
+            }
 
             // ================= epilogue =================
             float* lse_g = lse_row0();
@@ -932,25 +1050,29 @@ struct FwdSm90 {
 }  // namespace fc90
 
 // SYMBOL(p, tm_q, tm_k, tm_v, tm_o): see the launch contract above. WARPS must be (BLOCK_M/64 + 1) * 4.
-#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP, DV, ILV) \
+#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP, DV, ILV, SPLIT) \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32, 1)                                           \
         SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,                 \
                const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,           \
                const __grid_constant__ CUtensorMap tm_o) {                                                  \
         static_assert((WARPS) == ((BLOCK_M) / 64 + 1) * 4, "sm90 fwd: WARPS = (BLOCK_M/64 + 1) * 4");       \
-        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DV, ILV>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
+        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DV, ILV, SPLIT>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
     }
 // Ping-pong between consumer warpgroups for head_dim <= 128 (measured faster there), off for 256.
 #define FC_SM90_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, false)
 // The softcap twin of a kernel (the variant table's `softcap` entries; p.softcap > 0 required).
 #define FC_SM90_FWD_CAP(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true, HEAD_DIM, false)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true, HEAD_DIM, false, false)
 // The narrow twin of a kernel computing DV < HEAD_DIM columns (the variant table's `narrow`
 // entries; head dims p.d <= DV only).
 #define FC_SM90_FWD_NARROW(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, DV) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, DV, false)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, DV, false, false)
 // The paged twin of a kernel (the variant table's `paged` entries): K/V read from a paged pool
 // through the page table, one 5-D box per page or tile (`ILV`); p.page_table set, p.d = HEAD_DIM.
 #define FC_SM90_FWD_PG(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, true)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, true, false)
+// The key-split twin of a kernel (the variant table's `kv_split` entries): launched in clusters of
+// p.num_splits CTAs along x, one cluster per query tile (see FwdSm90's SPLIT).
+#define FC_SM90_FWD_KVS(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, true)

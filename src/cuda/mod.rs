@@ -175,13 +175,19 @@ pub fn describe(
     let prob = crate::params::validate(q, k, v, p)?;
     let info = device_info(dev)?;
     let v = choose(&prob, &info)?;
-    Ok(v.symbol() + &decode_note(&prob, v, &info))
+    Ok(v.symbol() + &route_note(&prob, v, &info))
 }
 
 /// For a split-KV decode: `" (clusters of N)"` when it launches in clusters (`decode_cluster`),
-/// then `" (at most N CTAs per SM)"` when its CTAs per SM are capped (`decode_capped_smem`);
-/// otherwise empty.
-fn decode_note(p: &Problem, v: &Variant, info: &DeviceInfo) -> String {
+/// then `" (at most N CTAs per SM)"` when its CTAs per SM are capped (`decode_capped_smem`). For
+/// an sm90 key-split twin: `" (keys split over clusters of N)"` (`kv_splits`). Otherwise empty.
+fn route_note(p: &Problem, v: &Variant, info: &DeviceInfo) -> String {
+    if v.kv_split {
+        return format!(
+            " (keys split over clusters of {})",
+            kv_splits(p, info.sm_count)
+        );
+    }
     if v.kind != KKind::Decode {
         return String::new();
     }
@@ -218,10 +224,14 @@ pub fn describe_paged(
     let info = device_info(dev)?;
     let v = choose(&prob, &info)?;
     if v.kind == KKind::Decode {
-        return Ok(v.symbol() + &decode_note(&prob, v, &info));
+        return Ok(v.symbol() + &route_note(&prob, v, &info));
     }
     Ok(match page_box(v, &prob) {
-        Some(rows) => format!("{} (in-kernel, {rows}-row boxes)", v.symbol()),
+        Some(rows) => format!(
+            "{}{} (in-kernel, {rows}-row boxes)",
+            v.symbol(),
+            route_note(&prob, v, &info)
+        ),
         None => {
             let mut used = prob.clone();
             used.keys = Keys::Used;
@@ -366,21 +376,49 @@ fn smem_budget(info: &DeviceInfo) -> Result<u32> {
 
 /// Whether a problem of more query rows than `DECODE_MAX_SQ` runs the split-KV decode kernels
 /// on sm_90. The sm90 prefill grid has `ceil(seq_q / 128) * hq * b` CTAs; with fewer than the SMs
-/// each CTA walks every key for its tile, so its time is one tile's walk (1 x 32/8 heads, d128,
-/// causal, 32k keys: 365-370 us for any seq_q from 17 to 256). The decode kernel splits the keys
-/// over the SMs and pays for its packed 64-row blocks (`h_ratio * seq_q` rows per K/V head and
-/// sequence) at mma.sync rates, about 9 us per block at 32k keys: it wins with up to 16 blocks
-/// from 4k keys and up to 32 from 16k, at head dims up to 128 (d256 packs 32-row blocks).
-/// H100, bf16, CUDA events after an L2 flush (session 26, calls 13-14), us, prefill -> decode,
-/// 32/8 heads d128 causal unless noted: seq_q 17 over 32k 364-367 -> 148; 32 over 32k 365 ->
-/// 148 (pages of 64: 370 -> 154); 32 over 8k 99.4 -> 51.2; 32 over 4k 54.5 -> 35.1; b2 x 32 over
-/// 16k 189 -> 151 (32 blocks); 64 over 32k 365 -> 279 (32 blocks; MHA 369 -> 284); and where
-/// it would lose: 64 over 4k non-causal 50.0 -> 53.4 (32 blocks), 256 over 32k 370 -> 1033, b8
-/// x 64 over 8k 210 -> 532.
+/// each walks every key of its tile, or half of them in clusters of two (`kv_splits`). The decode
+/// kernel splits the keys over the SMs and pays for its packed 64-row blocks (`h_ratio * seq_q`
+/// rows per K/V head and sequence) at mma.sync rates, about 9 us per block at 32k keys: it wins
+/// with up to 16 blocks from 4k keys, at head dims up to 128 (d256 packs 32-row blocks).
+/// bf16, CUDA events after an L2 flush, us, 32/8 heads d128 causal unless noted. H100 (session
+/// 26), prefill in one CTA per tile -> decode: seq_q 17 over 32k 364-367 -> 148; 32 over 32k 365
+/// -> 148 (pages of 64: 370 -> 154); 32 over 8k 99.4 -> 51.2; 32 over 4k 54.5 -> 35.1. H200
+/// (session 27), prefill in clusters of two -> decode: 17 or 32 over 32k 197 -> 150, 32 over 8k
+/// 60.0 -> 51.3, 32 over 4k 37.1 -> 34.7; and where the clusters win (32 blocks): 64 over 32k
+/// 196 -> 285 (MHA 200 -> 287), b2 x 32 over 16k 110 -> 154.
 fn decode_beats_starved_prefill(p: &Problem, sms: usize) -> bool {
     let blocks = p.b * p.hkv * (p.h_ratio() * p.sq).div_ceil(64);
-    let keys_pay = (blocks <= 16 && p.sk >= 4096) || (blocks <= 32 && p.sk >= 16384);
-    p.d <= 128 && p.sq.div_ceil(128) * p.hq * p.b < sms && keys_pay
+    p.d <= 128 && p.sq.div_ceil(128) * p.hq * p.b < sms && blocks <= 16 && p.sk >= 4096
+}
+
+/// Clusters of how many CTAs split each query tile's keys on the sm90 key-split twins
+/// (`Variant::kv_split`): 2 where the 128-row tiles in clusters of two still fit in one wave on
+/// the SMs and there are at least 16 keys per column of the kernel's head dim (1024 at d64, 2048
+/// at d128: the exchange grows with the width), else 1 (the twins are not chosen). bf16, CUDA
+/// events after an L2 flush (session 27), us, one CTA per tile -> clusters of 2: H100 1 x 4 x
+/// 2048 x 64 26.8 -> 21.9, d128 31.1-31.4 -> 26.2, 1 x 4 x 1024 x 64 17.7 -> 16.9, 1 x 2 x 4096
+/// x 64 causal 46.7 -> 32.5, 1 x 1 x 8192 x 128 causal 101 -> 61.3, 1 x 32/8 x 256 rows over 32k
+/// keys d128 causal 372 -> 225, 1 x 32/8 x 64 over 4k d128 50.0 -> 35.3; where they lose: 1 x 8
+/// x 1024 x 128 20.6-20.9 -> 21.2-21.5, and at 512 keys 1 x 8 x 512 x 64 13.3 -> 15.3, d128 15.1
+/// -> 18.1. Clusters of 4 ran as slowly as one CTA per tile or worse (H100 1 x 8 x 512 x 64 24.2
+/// us; 1 x 32/8 x 64 over 4k 50.2), as if the GPU did not hold 32 of them at once (not queried).
+/// `FLASHCORE_SM90_KV_SPLITS=1|2|4` forces the count wherever the clusters fit one wave (an A/B
+/// aid; read once).
+fn kv_splits(p: &Problem, sms: usize) -> usize {
+    static ENV: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *ENV.get_or_init(|| {
+        std::env::var("FLASHCORE_SM90_KV_SPLITS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|n| matches!(n, 1 | 2 | 4))
+    });
+    let tiles = p.sq.div_ceil(128) * p.hq * p.b;
+    match forced {
+        Some(n) if tiles * n <= sms => n,
+        Some(_) => 1,
+        None if tiles * 2 <= sms && p.sk >= 16 * kernel_head_dim(p.d) as usize => 2,
+        None => 1,
+    }
 }
 
 /// The variant that runs `p` on a GPU of family `arch` with `smem` bytes of shared memory per
@@ -450,6 +488,7 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
         candidates.push(("sm90", KKind::Fwd));
     }
     candidates.push(("sm80", KKind::Fwd));
+    let splits = kv_splits(p, info.sm_count);
     let mut missing = Vec::new();
     let mut too_big = Vec::new();
     for (family, kind) in candidates {
@@ -469,11 +508,12 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
                 || !v.serves_grid(p.sq, p.hq * p.b, info.sm_count)
                 || (v.narrow > 0 && p.d > v.narrow as usize)
                 || (v.paged && !(twin_pages && p.d == v.head_dim as usize))
+                || (v.kv_split && splits < 2)
             {
                 // a later entry serves longer queries, the problem's softcap choice
                 // (`Variant::admits`: softcap twins, kernels with a general body), small
-                // problems (`Variant::serves_grid`), head dims wider than a narrow twin's, or problems
-                // other than a paged twin's
+                // problems (`Variant::serves_grid`), head dims wider than a narrow twin's, problems
+                // other than a paged twin's, or grids that fill the GPU without a key split
                 continue;
             } else {
                 return Ok(v);
@@ -1171,7 +1211,16 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
             // dynamic schedule off (an A/B aid). A grid that does not match the kernel's schedule
             // is slower, never wrong.
             let sms = device_info(dev)?.sm_count.max(1);
-            let dynamic = sm90_dynamic(variant, p.mask, m_blocks) && !causal_static();
+            // Key-split twins: one cluster of `splits` CTAs per query tile (`kv_splits`), static
+            // schedule; every other kernel gets num_splits = 1 (the dispatcher's split count).
+            let splits = if variant.kv_split {
+                kv_splits(p, sms)
+            } else {
+                1
+            };
+            prm.num_splits = splits as i32;
+            let dynamic =
+                !variant.kv_split && sm90_dynamic(variant, p.mask, m_blocks) && !causal_static();
             if tiles > i32::MAX as usize {
                 return Err(launch::err(
                     &symbol,
@@ -1179,7 +1228,9 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
                     format!("{tiles} query tiles: more than 2^31 - 1"),
                 ));
             }
-            let grid = if dynamic {
+            let grid = if variant.kv_split {
+                ((tiles * splits) as u32, 1, 1)
+            } else if dynamic {
                 prm.tile_counter = tile_counter(&stream).map_err(|e| {
                     launch::err(&symbol, &shape, format!("allocating the tile counter: {e}"))
                 })?;
@@ -1195,21 +1246,40 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
                 shared_mem_bytes: smem,
             };
             let f = function()?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&prm).arg(&tm_q).arg(&tm_k).arg(&tm_v).arg(&tm_o);
-            // SAFETY: signature (FcParams, CUtensorMap x4) as in kernels/sm90/fwd.cuh; the maps
-            // describe the live q/k/v/o buffers whose pointers are in `prm`.
-            unsafe { b.launch(cfg) }.map_err(|e| {
-                launch::err(
-                    &symbol,
-                    &shape,
-                    format!(
-                        "launch failed (grid {grid:?}, block {}, smem {smem} B): {e}",
-                        variant.threads()
-                    ),
-                )
-            })?;
-            launch::check_sync(&stream, &symbol, &shape)?;
+            if splits == 1 {
+                let mut b = stream.launch_builder(&f);
+                b.arg(&prm).arg(&tm_q).arg(&tm_k).arg(&tm_v).arg(&tm_o);
+                // SAFETY: signature (FcParams, CUtensorMap x4) as in kernels/sm90/fwd.cuh; the
+                // maps describe the live q/k/v/o buffers whose pointers are in `prm`.
+                unsafe { b.launch(cfg) }.map_err(|e| {
+                    launch::err(
+                        &symbol,
+                        &shape,
+                        format!(
+                            "launch failed (grid {grid:?}, block {}, smem {smem} B): {e}",
+                            variant.threads()
+                        ),
+                    )
+                })?;
+                launch::check_sync(&stream, &symbol, &shape)?;
+            } else {
+                // the key-split twins: thread-block clusters of `splits` CTAs
+                let ex = launch::Ex {
+                    pdl: false,
+                    cluster: splits as u32,
+                };
+                let mut args = [
+                    &prm as *const FcParams as *mut std::ffi::c_void,
+                    &tm_q as *const _ as *mut std::ffi::c_void,
+                    &tm_k as *const _ as *mut std::ffi::c_void,
+                    &tm_v as *const _ as *mut std::ffi::c_void,
+                    &tm_o as *const _ as *mut std::ffi::c_void,
+                ];
+                // SAFETY: signature (FcParams, CUtensorMap x4) as in kernels/sm90/fwd.cuh, each
+                // argument alive for the call; the maps describe the live q/k/v/o buffers whose
+                // pointers are in `prm`.
+                unsafe { launch::launch_ex(&stream, &f, cfg, &mut args, ex, &symbol, &shape) }?;
+            }
             false
         }
         KKind::Fwd => {
