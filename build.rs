@@ -113,14 +113,20 @@ fn main() {
             }
         }
         for v in &chosen {
-            // a narrow twin's macro takes its width last
+            // sm90 forward macros take the Q buffers after the stages; a narrow twin's macro
+            // takes its width last
+            let q_stages = if fam.name == "sm90" && v.kind == KKind::Fwd {
+                format!(", {}", v.q_stages)
+            } else {
+                String::new()
+            };
             let width = if v.narrow > 0 {
                 format!(", {}", v.narrow)
             } else {
                 String::new()
             };
             src += &format!(
-                "{}{}({}, {}, {}, {}, {}, {}, {}, {}{width})\n",
+                "{}{}({}, {}, {}, {}, {}, {}, {}, {}{q_stages}{width})\n",
                 kind_macro(fam.name, v.kind),
                 v.macro_suffix(),
                 v.symbol(),

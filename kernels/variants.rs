@@ -116,6 +116,10 @@ pub struct Variant {
     /// The dispatcher gives it the problems whose 128-row tiles leave most SMs idle
     /// (`kv_splits` in src/cuda/mod.rs), and nothing else.
     pub kv_split: bool,
+    /// sm90 forward only, 1 elsewhere: Q buffers (symbol suffix `_q2` for 2; the sm90 forward
+    /// macros' `QS`, kernels/sm90/fwd.cuh; twins inherit it). With two, the TMA thread loads a tile's Q while the tile
+    /// before it is still in its key loop.
+    pub q_stages: u32,
 }
 
 impl Variant {
@@ -140,8 +144,9 @@ impl Variant {
         } else {
             String::new()
         };
+        let q2 = if self.q_stages == 2 { "_q2" } else { "" };
         format!(
-            "fc_{}_{}_{}_d{}_{}_{}x{}{}{stages}{twin}",
+            "fc_{}_{}_{}_d{}_{}_{}x{}{}{stages}{q2}{twin}",
             self.family,
             self.kind.name(),
             self.dtype.name(),
@@ -251,7 +256,7 @@ impl Variant {
     /// Q tile plus `stages` K and V tiles (and for warp pairs their P tiles and f32 row maxima
     /// and sums, as `fc_sm80::fwd_smem_bytes`).
     pub const fn smem_bytes(&self) -> u32 {
-        let tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2;
+        let tiles = (self.q_stages * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2;
         if self.is_family("sm90") {
             // fc90::fwd_smem_bytes: a separate O staging tile when it fits in 227 KB, plus 1 KB
             // of alignment slack for the 128B swizzle and 256 B of barriers.
@@ -331,7 +336,7 @@ const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         (128, _) => (128, 32, 4, 2),
         _ => (128, 64, 8, 1),
     };
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false, q_stages: 1 }
 }
 
 const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -339,14 +344,14 @@ const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // stage, 226 KB (H100 / sm_90 only). Per 128-key tile a warp reads 88 KB of smem for 32 x 128
     // outputs where the 128x64 tile's warps read 144 KB for 16 x 256. Forced sm80 on the H100,
     // bf16 8 x 8 heads x 2k non-causal: 355 TFLOPS against 306 (session 4, docs/perf.md).
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false, narrow: 0, paged: false, kv_split: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false, narrow: 0, paged: false, kv_split: false, q_stages: 1 }
 }
 
 const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // d256 for GPUs with 99 KB of smem per block (sm_86/89): 64x32, 4 warps, 2 stages = 96 KB.
     // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100 (session 3, docs/perf.md),
     // where the 128 KB tile above runs 1.04-1.08x.
-    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false }
+    Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false, q_stages: 1 }
 }
 
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -356,7 +361,7 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         256 => (32, 32, 2, 2),
         _ => (64, 64, 4, 2),
     };
-    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false }
+    Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false, q_stages: 1 }
 }
 
 const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
@@ -369,7 +374,20 @@ const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         (128, _) => (128, 128),
         _ => (128, 80),
     };
-    sm90_tile(dtype, head_dim, mask, block_m, block_n, u32::MAX)
+    let v = sm90_tile(dtype, head_dim, mask, block_m, block_n, u32::MAX);
+    // Two Q buffers (`Variant::q_stages`) where they measured faster in both runs of session 28
+    // (H100, bf16, same binary, docs/perf.md): d64 non-causal 192x128 2k +2.8-3.5 %, 8k +1.4-3.4 %;
+    // d128 causal 512 +2.0 %, 1k-16k within +-0.5 %. The d64 causal 192x128 kernel ran 4-8 %
+    // slower with them (and spilled 4 B), d128 128x160 has no room.
+    match (head_dim, mask) {
+        (64, KMask::None) | (128, KMask::Causal) => q2(v),
+        _ => v,
+    }
+}
+
+/// `v` with two Q buffers (`Variant::q_stages`); its twins keep one.
+const fn q2(v: Variant) -> Variant {
+    Variant { q_stages: 2, ..v }
 }
 
 const fn sm90_tile(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, block_n: u32, max_sq: u32) -> Variant {
@@ -383,25 +401,26 @@ const fn cap(v: Variant) -> Variant {
     Variant { softcap: true, ..v }
 }
 
-/// The paged twin of an sm90 kernel (`Variant::paged`).
+/// The paged twin of an sm90 kernel (`Variant::paged`), with one Q buffer.
 const fn pg(v: Variant) -> Variant {
-    Variant { paged: true, ..v }
+    Variant { paged: true, q_stages: 1, ..v }
 }
 
-/// The key-split twin of an sm90 kernel (`Variant::kv_split`).
+/// The key-split twin of an sm90 kernel (`Variant::kv_split`), with one Q buffer (one tile per CTA).
 /// It serves any seq_q (the key split is for few query tiles, whatever their length).
 const fn kvs(v: Variant) -> Variant {
-    Variant { kv_split: true, max_sq: u32::MAX, ..v }
+    Variant { kv_split: true, max_sq: u32::MAX, q_stages: 1, ..v }
 }
 
-/// The narrow twin of an sm90 kernel computing `width` head-dim columns (`Variant::narrow`).
+/// The narrow twin of an sm90 kernel computing `width` head-dim columns (`Variant::narrow`), with
+/// one Q buffer.
 const fn narrow(v: Variant, width: u32) -> Variant {
-    Variant { narrow: width, ..v }
+    Variant { narrow: width, q_stages: 1, ..v }
 }
 
 const fn sm90_staged(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, block_n: u32, max_sq: u32, stages: u32) -> Variant {
     let warps = (block_m / 64 + 1) * 4;
-    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false }
+    Variant { family: "sm90", kind: KKind::Fwd, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false, q_stages: 1 }
 }
 
 /// Non-causal d64 up to 1k query rows: 256x64 tiles, four consumer warpgroups, a 4-deep K/V ring
@@ -431,8 +450,9 @@ const fn sm90_d64_small(dtype: KDType) -> Variant {
 /// 1.06x / 1.03x). Same-call A/B on the H100 (session 3, docs/perf.md): 128 rows +13 % / +16 % /
 /// +1 % / -2 % at 512 / 1k / 2k / 4k. On today's kernel the 192-row tile wins 2k: +2.5 % in the
 /// same call (session 11, call B, bf16, two runs each), so on full grids 128 rows keep <= 1k.
+/// Two Q buffers: 512 +2.2 %, 1k within 0.3 % (session 28).
 const fn sm90_d64_causal_short(dtype: KDType) -> Variant {
-    sm90_tile(dtype, 64, KMask::Causal, 128, 128, u32::MAX)
+    q2(sm90_tile(dtype, 64, KMask::Causal, 128, 128, u32::MAX))
 }
 
 /// Non-causal d128 up to 1k query rows: 128-key tiles; longer problems take 128x160 (`sm90`).

@@ -94,8 +94,11 @@ fn every_class_serves_every_seq_len() {
             (256, 64, 20, 4)
         );
         assert!(short.symbol().ends_with("_256x64_s4"), "{}", short.symbol());
-        assert_eq!((long.block_m, long.block_n, long.stages), (192, 128, 2));
-        assert!(long.symbol().ends_with("_192x128"), "{}", long.symbol());
+        assert_eq!(
+            (long.block_m, long.block_n, long.stages, long.q_stages),
+            (192, 128, 2, 2)
+        );
+        assert!(long.symbol().ends_with("_192x128_q2"), "{}", long.symbol());
         let class = ("sm90", KKind::Fwd, dtype, 128, KMask::None);
         let short = pick_sq(class, SMEM_SM90, 1024).unwrap();
         let long = pick_sq(class, SMEM_SM90, 1025).unwrap();
@@ -351,11 +354,16 @@ fn paged_twins_precede_their_kernel() {
             "{}",
             v.symbol()
         );
-        let own = Variant { paged: false, ..*v };
         let next = VARIANTS[i + 1..]
             .iter()
             .find(|w| w.narrow == 0 && !w.kv_split)
             .expect("a paged twin is not last");
+        // (twins keep one Q buffer where their kernel has two)
+        let own = Variant {
+            paged: false,
+            q_stages: next.q_stages,
+            ..*v
+        };
         assert_eq!(
             own.symbol(),
             next.symbol(),
@@ -370,6 +378,7 @@ fn paged_twins_precede_their_kernel() {
                     let base = Variant {
                         narrow: 0,
                         kv_split: false,
+                        q_stages: own.q_stages,
                         ..*w
                     };
                     (w.narrow > 0 || w.kv_split) && base.symbol() == own.symbol()
@@ -436,7 +445,12 @@ fn narrow_twins_precede_their_kernel() {
             .iter()
             .find(|w| !w.kv_split)
             .expect("a narrow twin is not last");
-        let own = Variant { narrow: 0, ..*v }.symbol();
+        let own = Variant {
+            narrow: 0,
+            q_stages: next.q_stages,
+            ..*v
+        }
+        .symbol();
         if next.narrow > 0 {
             assert!(
                 next.narrow > v.narrow && Variant { narrow: 0, ..*next }.symbol() == own,
@@ -502,6 +516,7 @@ fn key_split_twins_precede_their_kernel() {
         let own = Variant {
             kv_split: false,
             max_sq: next.max_sq,
+            q_stages: next.q_stages,
             ..*v
         };
         assert_eq!(
@@ -510,11 +525,56 @@ fn key_split_twins_precede_their_kernel() {
             "{} must precede its kernel",
             v.symbol()
         );
-        assert_eq!(v.smem_bytes(), next.smem_bytes(), "{}", v.symbol());
+        // the same tiles, one Q buffer
+        let one_q = Variant {
+            q_stages: 1,
+            ..*next
+        };
+        assert_eq!(v.smem_bytes(), one_q.smem_bytes(), "{}", v.symbol());
         n += 1;
     }
     assert_eq!(
         n, 8,
         "key-split twins: d64 and d128, no mask and causal, bf16 and f16"
+    );
+}
+
+/// Two Q buffers (`Variant::q_stages`, kernels/sm90/fwd.cuh `QS`): sm90 forward kernels only, not
+/// their twins, and only where the separate O buffer still fits beside them (the kernel
+/// static_asserts it; this keeps the host's shared-memory size on the same formula).
+#[test]
+fn two_q_buffers_keep_the_o_buffer() {
+    let mut n = 0;
+    for v in VARIANTS {
+        assert!(matches!(v.q_stages, 1 | 2), "{}", v.symbol());
+        if v.q_stages == 1 {
+            assert!(!v.symbol().contains("_q2"), "{}", v.symbol());
+            continue;
+        }
+        assert!(
+            v.family == "sm90"
+                && v.kind == KKind::Fwd
+                && !v.paged
+                && !v.kv_split
+                && v.narrow == 0
+                && !v.softcap,
+            "{}: two Q buffers on an sm90 forward kernel, not a twin",
+            v.symbol()
+        );
+        let q = v.block_m * v.head_dim * 2;
+        let kv = 2 * v.stages * v.block_n * v.head_dim * 2;
+        assert_eq!(
+            v.smem_bytes(),
+            3 * q + kv + 1280,
+            "{}: Q x 2, K/V, O",
+            v.symbol()
+        );
+        assert!(v.smem_bytes() <= SMEM_SM90, "{}", v.symbol());
+        assert!(v.symbol().contains("_q2"), "{}", v.symbol());
+        n += 1;
+    }
+    assert_eq!(
+        n, 6,
+        "two Q buffers: d64 192x128 no mask, d64 128x128 causal, d128 128x128 causal; bf16 and f16"
     );
 }

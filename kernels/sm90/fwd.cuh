@@ -1,7 +1,7 @@
 // flashcore sm_90a forward attention: FA3-style warp specialization (own code).
 //
 // CTA = 1 producer warpgroup (warp 0 issues TMA; setmaxnreg.dec) + BLOCK_M/64 consumer
-// warpgroups (setmaxnreg.inc), each owning 64 query rows. Q is loaded once (TMA, SW128), K and V
+// warpgroups (setmaxnreg.inc), each owning 64 query rows. Q is loaded once per tile (TMA, SW128; into one of QS buffers), K and V
 // stream through a STAGES-deep ring of full/empty mbarriers, key tiles are walked from the last
 // (masked) one down to 0. Per consumer: S = Q K^T with SS wgmma (K-major, SW128), online softmax in
 // registers (exp2, scale_log2 folded, lazy O rescale; without a mask, key tiles after the first ones
@@ -33,9 +33,10 @@
 //         Without a counter a DYN kernel takes tiles cta, cta + nctas, ... (one CTA per tile works).
 //         Static kernels ignore the counter; the TMA thread publishes their tiles to the consumers.
 //         block = WARPS*32 = (BLOCK_M/64 + 1) * 128 threads
-//   dynamic smem = fc90::fwd_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)  (host+device constexpr)
-//                = (BLOCK_M + 2*STAGES*BLOCK_N + (SEP_O ? BLOCK_M : 0)) * HEAD_DIM * 2 + 1280, where
-//                  SEP_O = (2*BLOCK_M + 2*STAGES*BLOCK_N) * HEAD_DIM * 2 + 1280 <= 232448 (227 KB)
+//   dynamic smem = fc90::fwd_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, QS)  (host+device constexpr)
+//                = (QS*BLOCK_M + 2*STAGES*BLOCK_N + (SEP_O ? BLOCK_M : 0)) * HEAD_DIM * 2 + 1280, where
+//                  SEP_O = ((QS+1)*BLOCK_M + 2*STAGES*BLOCK_N) * HEAD_DIM * 2 + 1280 <= 232448 (227 KB)
+//                  and QS (1 or 2 Q buffers) is the variant table's q_stages
 //     -> needs cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) (> 48 KB).
 //   Tensor maps (cuTensorMapEncodeTiled), one each for q, k, v, o, all the same recipe:
 //     dataType  CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 or _FLOAT16;  rank 4
@@ -88,11 +89,12 @@ namespace fc90 {
 
 // A separate O staging buffer (BM x D) is used when it fits in the 227 KB opt-in limit; it lets the
 // next tile's Q load start as soon as the last Q K^T of the current tile has completed.
-__host__ __device__ constexpr bool fwd_sep_o(int bm, int bn, int d, int stages) {
-    return (uint32_t)((2 * bm + 2 * stages * bn) * d * 2) + 1280u <= 232448u;
+// `qs`: Q buffers (QS, 1 or 2).
+__host__ __device__ constexpr bool fwd_sep_o(int bm, int bn, int d, int stages, int qs = 1) {
+    return (uint32_t)(((qs + 1) * bm + 2 * stages * bn) * d * 2) + 1280u <= 232448u;
 }
-__host__ __device__ constexpr uint32_t fwd_smem_bytes(int bm, int bn, int d, int stages) {
-    return (uint32_t)((bm + 2 * stages * bn + (fwd_sep_o(bm, bn, d, stages) ? bm : 0)) * d * 2) + 1024u + 256u;
+__host__ __device__ constexpr uint32_t fwd_smem_bytes(int bm, int bn, int d, int stages, int qs = 1) {
+    return (uint32_t)((qs * bm + 2 * stages * bn + (fwd_sep_o(bm, bn, d, stages, qs) ? bm : 0)) * d * 2) + 1024u + 256u;
 }
 
 template <typename T> struct TypeInfo;
@@ -139,8 +141,12 @@ template <> struct TypeInfo<__half> {
 // consumer warpgroups are past their last P V) and arrive on rank 0's `x_ready`; rank 0 reads
 // them through distributed shared memory, rescales and adds them to its own, releases the others
 // through their `x_done`, and runs the epilogue alone.
+// QS: Q buffers (the variant table's `q_stages`). With two, the TMA thread loads the next tile's Q
+// into the other buffer before the current tile is done (as soon as its tile is known and the
+// buffer's tile before last has finished its Q K^T), so a short tile does not wait for its Q after
+// the previous tile's last Q K^T. Needs the separate O buffer (O never staged in a Q buffer).
 template <typename T, int D, int MASK, int BM, int BN, int STAGES, bool PINGPONG, bool CAP = false,
-          int DV = D, bool ILV = false, bool SPLIT = false>
+          int DV = D, bool ILV = false, bool SPLIT = false, int QS = 1>
 struct FwdSm90 {
     static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128, 192 or 256");
     static_assert(DV % 16 == 0 && DV >= 32 && DV <= D, "narrow width: a multiple of 16, 32..D");
@@ -154,13 +160,14 @@ struct FwdSm90 {
     static constexpr int DBV = (DV + 63) / 64;  // ... of them loaded and stored
     static constexpr uint32_t Q_BYTES = BM * D * 2;
     static constexpr uint32_t KV_BYTES = BN * D * 2;
-    static constexpr bool SEP_O = fwd_sep_o(BM, BN, D, STAGES);
+    static constexpr bool SEP_O = fwd_sep_o(BM, BN, D, STAGES, QS);
+    static_assert(QS == 1 || (QS == 2 && SEP_O), "two Q buffers need the separate O buffer");
     static constexpr uint32_t Q_LOAD = BM * DBV * 128;  // TMA bytes per Q / K-or-V tile
     static constexpr uint32_t KV_LOAD = BN * DBV * 128;
     // K/V stage strides in bytes: between 64-column blocks, and between groups of 8 key rows
     static constexpr uint32_t KV_CB = ILV ? 1024u : BN * 128u;
     static constexpr uint32_t KV_RG = ILV ? DB * 1024u : 1024u;
-    static constexpr uint32_t TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + (SEP_O ? Q_BYTES : 0);
+    static constexpr uint32_t TILE_BYTES = QS * Q_BYTES + 2 * STAGES * KV_BYTES + (SEP_O ? Q_BYTES : 0);
     static_assert(TILE_BYTES + 1280 <= 232448, "shared memory over the 227 KB limit");
     // setmaxnreg split. setmaxnreg.inc blocks until the CTA's register pool (what the launch
     // allocated: NTHREADS x the per-thread budget of __launch_bounds__(NTHREADS, 1), a multiple
@@ -281,12 +288,13 @@ struct FwdSm90 {
         extern __shared__ uint8_t smem_raw[];
         const uint32_t raw = smem_u32(smem_raw);
         const uint32_t sQ = (raw + 1023u) & ~1023u;
-        const uint32_t sK = sQ + Q_BYTES;
+        const uint32_t sK = sQ + QS * Q_BYTES;  // QS Q buffers of Q_BYTES
         const uint32_t sV = sK + STAGES * KV_BYTES;
         const uint32_t sO = sV + STAGES * KV_BYTES;  // O staging buffer (only when SEP_O; else O goes to sQ)
         const uint32_t bars = sO + (SEP_O ? Q_BYTES : 0);
-        const uint32_t bar_q = bars;
-        const uint32_t q_empty = bars + 8u;
+        // Q buffer b: loaded (bar_q) and free again (q_empty); the second buffer's pair after x_done
+        auto bar_q = [&](int b) { return b == 0 ? bars : bars + 16u + 8u * (4 * STAGES + 4) + 80u; };
+        auto q_empty = [&](int b) { return b == 0 ? bars + 8u : bars + 16u + 8u * (4 * STAGES + 4) + 88u; };
         auto full_k = [&](int s) { return bars + 16u + 8u * s; };
         auto full_v = [&](int s) { return bars + 16u + 8u * (STAGES + s); };
         auto empty_k = [&](int s) { return bars + 16u + 8u * (2 * STAGES + s); };
@@ -301,7 +309,7 @@ struct FwdSm90 {
         // the other ranks' x_done (rank 0 has read them)
         const uint32_t x_ready = bars + 16u + 8u * (4 * STAGES + 4) + 64u;
         const uint32_t x_done = x_ready + 8u;
-        static_assert(16 + 8 * (4 * STAGES + 4) + 64 + 16 <= 256, "barrier area");
+        static_assert(16 + 8 * (4 * STAGES + 4) + 64 + 16 + 16 * (QS - 1) <= 256, "barrier area");
 
         // ---- persistent static schedule: CTA `cta` takes tiles k*nctas + (k odd ? nctas-1-cta : cta) ----
         // (key split: the clusters take the tiles as CTAs would, `rank` says which chunk of keys)
@@ -331,9 +339,12 @@ struct FwdSm90 {
         };
 
         if (tid == 0) {
-            mbar_init(bar_q, 1);
-            // with a separate O buffer and FAST, each consumer warp frees Q after its last fix_tile
-            mbar_init(q_empty, SEP_O && FAST ? NC * 4 : NC);
+#pragma unroll
+            for (int b = 0; b < QS; ++b) {
+                mbar_init(bar_q(b), 1);
+                // with a separate O buffer and FAST, each consumer warp frees Q after its last fix_tile
+                mbar_init(q_empty(b), SEP_O && FAST ? NC * 4 : NC);
+            }
 #pragma unroll
             for (int s = 0; s < STAGES; ++s) {
                 mbar_init(full_k(s), 1);
@@ -496,16 +507,24 @@ struct FwdSm90 {
                         load_tile(sV + vs.stage * KV_BYTES, tmv, full_v(vs.stage), n);
                         vs.advance();
                     };
-                    load_k(hi - 1);
-                    // Q buffer is free once both consumer warpgroups finished the previous epilogue
-                    mbar_wait(q_empty, (qi & 1) ^ 1);
-                    if (lead) {
-                        mbar_arrive_expect_tx(bar_q, Q_LOAD);
+                    // The Q buffer is free once both consumer warpgroups are past the last Q K^T of its
+                    // previous tile (with a separate O buffer; else past the epilogue). Two buffers:
+                    // Q first (its buffer's previous tile is long done), then the first K tile.
+                    auto load_q = [&]() {
+                        const int qb = QS > 1 ? (int)(qi & 1) : 0;
+                        mbar_wait(q_empty(qb), ((QS > 1 ? qi >> 1 : qi) & 1) ^ 1);
+                        if (lead) {
+                            mbar_arrive_expect_tx(bar_q(qb), Q_LOAD);
 #pragma unroll
-                        for (int c = 0; c < DBV; ++c)
-                            tma_load_4d(sQ + c * BM * 128, tmq, bar_q, c * 64, q0 + m_block * BM, h, bq, kEvictFirst);
-                    }
-                    ++qi;
+                            for (int c = 0; c < DBV; ++c)
+                                tma_load_4d(sQ + qb * Q_BYTES + c * BM * 128, tmq, bar_q(qb), c * 64,
+                                            q0 + m_block * BM, h, bq, kEvictFirst);
+                        }
+                        ++qi;
+                    };
+                    if (QS > 1) load_q();
+                    load_k(hi - 1);
+                    if (QS == 1) load_q();
 #pragma unroll 1
                     for (int n = hi - 2; n >= lo; --n) {
                         load_k(n);
@@ -588,6 +607,8 @@ struct FwdSm90 {
                 continue;
             }
 
+            // this tile's Q buffer (QS)
+            const int qb = QS > 1 ? (int)(qi & 1) : 0;
             // this CTA's key tiles [lo, hi), walked from hi - 1 down (the whole tile's without a split)
             int lo, hi;
             const bool discard = key_range(n_max, lo, hi);
@@ -704,7 +725,7 @@ struct FwdSm90 {
                 while (big) {  // one dot product per P = inf (an index loop: one copy of the code)
                     const int i = __ffsll((long long)big) - 1;
                     big &= big - 1;
-                    float v = score_smem(sQ, sK + kst * KV_BYTES, c * 64 + warp * 16 + g + 8 * ((i >> 1) & 1),
+                    float v = score_smem(sQ + qb * Q_BYTES, sK + kst * KV_BYTES, c * 64 + warp * 16 + g + 8 * ((i >> 1) & 1),
                                          8 * (i >> 2) + 2 * tq + (i & 1));
                     if (CAP) v = mod_score(v, n, i);
 #pragma unroll
@@ -746,7 +767,7 @@ struct FwdSm90 {
                 const uint64_t dks = desc_add(dk, stage * KV_BYTES);
 #pragma unroll
                 for (int kk = 0; kk < DV / 16; ++kk)
-                    QK::ss(s, desc_add(dq, (kk / 4) * BM * 128 + (kk % 4) * 32),
+                    QK::ss(s, desc_add(dq, qb * Q_BYTES + (kk / 4) * BM * 128 + (kk % 4) * 32),
                            desc_add(dks, (kk / 4) * KV_CB + (kk % 4) * 32), kk > 0 ? 1 : 0);
             };
             auto issue_pv = [&](int stage) {
@@ -762,7 +783,7 @@ struct FwdSm90 {
             };
             if (PINGPONG && c == NC - 1) named_arrive(BAR_SCHED, 256);  // seed: WG 0 goes first
 
-            mbar_wait(bar_q, qi & 1);
+            mbar_wait(bar_q(qb), (QS > 1 ? qi >> 1 : qi) & 1);
             // ---- prologue: S_0 = Q K_0^T, softmax, P_0 ----
             mbar_wait(full_k(ks.stage), ks.phase);
             sched_sync();
@@ -863,7 +884,7 @@ struct FwdSm90 {
             }
             finish_pv(NT >= 2, lo);
             // all Q K^T of this tile are complete: with a separate O buffer, Q can be reloaded now
-            if (SEP_O && (FAST ? lane == 0 : t128 == 0)) mbar_arrive(q_empty);
+            if (SEP_O && (FAST ? lane == 0 : t128 == 0)) mbar_arrive(q_empty(qb));
             // ---- tail: O += P_{T-1} V_{T-1} ----
             mbar_wait(full_v(vs.stage), vs.phase);
             sched_sync();
@@ -1019,7 +1040,7 @@ struct FwdSm90 {
                 named_sync(BAR_EPI + c, 128);
                 if (!SEP_O && t128 == 0) {
                     bulk_wait_read();
-                    mbar_arrive(q_empty);
+                    mbar_arrive(q_empty(0));
                 }
                 mbar_arrive(sched_empty(slot));
                 ++qi;
@@ -1036,7 +1057,7 @@ struct FwdSm90 {
                 bulk_commit();
                 if (!SEP_O) {
                     bulk_wait_read();  // O was staged in the Q buffer: free it once read
-                    mbar_arrive(q_empty);
+                    mbar_arrive(q_empty(0));
                 }
             }
             mbar_arrive(sched_empty(slot));
@@ -1050,29 +1071,29 @@ struct FwdSm90 {
 }  // namespace fc90
 
 // SYMBOL(p, tm_q, tm_k, tm_v, tm_o): see the launch contract above. WARPS must be (BLOCK_M/64 + 1) * 4.
-#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP, DV, ILV, SPLIT) \
+#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP, DV, ILV, SPLIT, QS) \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32, 1)                                           \
         SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,                 \
                const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,           \
                const __grid_constant__ CUtensorMap tm_o) {                                                  \
         static_assert((WARPS) == ((BLOCK_M) / 64 + 1) * 4, "sm90 fwd: WARPS = (BLOCK_M/64 + 1) * 4");       \
-        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DV, ILV, SPLIT>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
+        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DV, ILV, SPLIT, QS>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
     }
 // Ping-pong between consumer warpgroups for head_dim <= 128 (measured faster there), off for 256.
-#define FC_SM90_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, false)
+#define FC_SM90_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, false, QS)
 // The softcap twin of a kernel (the variant table's `softcap` entries; p.softcap > 0 required).
-#define FC_SM90_FWD_CAP(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true, HEAD_DIM, false, false)
+#define FC_SM90_FWD_CAP(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true, HEAD_DIM, false, false, QS)
 // The narrow twin of a kernel computing DV < HEAD_DIM columns (the variant table's `narrow`
 // entries; head dims p.d <= DV only).
-#define FC_SM90_FWD_NARROW(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, DV) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, DV, false, false)
+#define FC_SM90_FWD_NARROW(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS, DV) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, DV, false, false, QS)
 // The paged twin of a kernel (the variant table's `paged` entries): K/V read from a paged pool
 // through the page table, one 5-D box per page or tile (`ILV`); p.page_table set, p.d = HEAD_DIM.
-#define FC_SM90_FWD_PG(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, true, false)
+#define FC_SM90_FWD_PG(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, true, false, QS)
 // The key-split twin of a kernel (the variant table's `kv_split` entries): launched in clusters of
 // p.num_splits CTAs along x, one cluster per query tile (see FwdSm90's SPLIT).
-#define FC_SM90_FWD_KVS(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, true)
+#define FC_SM90_FWD_KVS(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, true, QS)
