@@ -21,7 +21,7 @@ for i, (name, t, d, m, bm, bn, st, pp, main) in enumerate(V):
         if i > 0:  # fc_check_seqlens (common/seqlens.cuh) lives in the first instance only
             f.write("#define FC_NO_SHARED_KERNELS\n")
         f.write('#include "sm90/fwd.cuh"\n')
-        f.write(f"FC_SM90_FWD_EX({name}, {TY[t]}, {d}, {m}, {bm}, {bn}, {warps}, {st}, {'true' if pp else 'false'}, false, {d}, false)\n")
+        f.write(f"FC_SM90_FWD_EX({name}, {TY[t]}, {d}, {m}, {bm}, {bn}, {warps}, {st}, {'true' if pp else 'false'}, false, {d}, false, false, 1)\n")
         f.write(f'extern "C" const void* get_{name}() {{ return (const void*){name}; }}\n')
     inc.append(f'KV("{name}", get_{name}, {1 if t=="bf16" else 0}, {d}, {m}, {bm}, {bn}, {st}, {pp}, {main})')
 with open("kernels.inc", "w") as f:
