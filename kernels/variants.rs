@@ -117,8 +117,8 @@ pub struct Variant {
     /// (`kv_splits` in src/cuda/mod.rs), and nothing else.
     pub kv_split: bool,
     /// sm90 forward only, 1 elsewhere: Q buffers (symbol suffix `_q2` for 2; the sm90 forward
-    /// macros' `QS`, kernels/sm90/fwd.cuh; twins inherit it). With two, the TMA thread loads a tile's Q while the tile
-    /// before it is still in its key loop.
+    /// macros' `QS`, kernels/sm90/fwd.cuh). With two, the TMA thread loads a tile's Q while the
+    /// tile before it is still in its key loop. Twins (narrow, paged, key-split) keep one.
     pub q_stages: u32,
 }
 

@@ -1,14 +1,16 @@
 // flashcore sm_90a forward attention: FA3-style warp specialization (own code).
 //
 // CTA = 1 producer warpgroup (warp 0 issues TMA; setmaxnreg.dec) + BLOCK_M/64 consumer
-// warpgroups (setmaxnreg.inc), each owning 64 query rows. Q is loaded once per tile (TMA, SW128; into one of QS buffers), K and V
-// stream through a STAGES-deep ring of full/empty mbarriers, key tiles are walked from the last
-// (masked) one down to 0. Per consumer: S = Q K^T with SS wgmma (K-major, SW128), online softmax in
-// registers (exp2, scale_log2 folded, lazy O rescale; without a mask, key tiles after the first ones
-// skip the row max: `softmax_gen`), P packed to 16-bit registers, O += P V with
-// RS wgmma (V is MN-major in smem, imm-trans-b = 1). Intra-warpgroup overlap: QK^T of tile i is
-// issued before the P V of tile i-1, and the softmax of tile i runs while that P V is in flight (the
-// wait for that P V sits after the loop back-edge, so ptxas cannot hoist it above the softmax: v4).
+// warpgroups (setmaxnreg.inc), each owning 64 query rows. Q is loaded once per tile (TMA, SW128,
+// into one of QS buffers), K and V stream through a STAGES-deep ring of full/empty mbarriers, key
+// tiles are walked from the last (masked) one down to 0. Per consumer: S = Q K^T with SS wgmma
+// (K-major, SW128), online softmax in registers (exp2, scale_log2 folded, lazy O rescale; without a
+// mask, key tiles after the first ones skip the row max: `softmax_gen`), P packed to 16-bit
+// registers, O += P V with RS wgmma (V is MN-major in smem, imm-trans-b = 1). Intra-warpgroup
+// overlap: QK^T of tile i is issued before the P V of tile i-1, and the softmax of tile i runs while
+// that P V is in flight (the wait for that P V sits after the loop back-edge, so ptxas cannot hoist
+// it above the softmax: v4; causal 128-row tiles up to d128 wait behind a branch inside the softmax
+// instead: `SPV`).
 // Optional ping-pong between consumer warpgroups (named barriers 1..NC) hands the tensor cores
 // from one to the next. Persistent tile loop (any grid size, see below). Epilogue: 1/l, O staged
 // (swizzled) in a separate O buffer when it fits in smem (then Q of the next tile loads right
@@ -17,7 +19,7 @@
 // (natural log) f32; empty rows O = 0, LSE = -inf (16-byte stores).
 //
 // ---------------------------------------------------------------------------------------------
-// LAUNCH CONTRACT (host side; see .scratch/sm90/harness.cu make_maps() for the reference code)
+// LAUNCH CONTRACT (host side; see dev/sm90/harness.cu make_maps() for the reference code)
 //   kernel:  SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,
 //                   const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
 //                   const __grid_constant__ CUtensorMap tm_o)
@@ -215,6 +217,13 @@ struct FwdSm90 {
     // recomputed from global memory (session 10, call A; that recompute itself cost d64 non-causal
     // 1.4-4.3 % through register pressure in the key loop): docs/perf.md, "Session 9" and "Session 10".
     static constexpr bool FAST = !CAUSAL;
+    // Causal 128-row tiles up to d128 (two consumer warpgroups): the exact softmax also finishes
+    // the P V in flight (`softmax_pv`, FA3's order) and the mask test is one per-tile threshold
+    // (`n_mask`). Same-binary A/B on the H100 (session 29, docs/perf.md): d64 causal 512 / 1k
+    // +1.8-3.5 %, d128 causal +0-2 %, LLaMA prefill +1.8 %; the d64 192x128 causal tile ran
+    // 1.6-2.2 % slower at 8k / 16k with it and d256 causal 1.3-1.9 % slower at 1k / 2k with the
+    // threshold, so those keep the old order.
+    static constexpr bool SPV = CAUSAL && NC == 2 && D <= 128;
     using QK = Wgmma<BN, BF>;
     using PV = Wgmma<DV, BF>;
 
@@ -292,9 +301,6 @@ struct FwdSm90 {
         const uint32_t sV = sK + STAGES * KV_BYTES;
         const uint32_t sO = sV + STAGES * KV_BYTES;  // O staging buffer (only when SEP_O; else O goes to sQ)
         const uint32_t bars = sO + (SEP_O ? Q_BYTES : 0);
-        // Q buffer b: loaded (bar_q) and free again (q_empty); the second buffer's pair after x_done
-        auto bar_q = [&](int b) { return b == 0 ? bars : bars + 16u + 8u * (4 * STAGES + 4) + 80u; };
-        auto q_empty = [&](int b) { return b == 0 ? bars + 8u : bars + 16u + 8u * (4 * STAGES + 4) + 88u; };
         auto full_k = [&](int s) { return bars + 16u + 8u * s; };
         auto full_v = [&](int s) { return bars + 16u + 8u * (STAGES + s); };
         auto empty_k = [&](int s) { return bars + 16u + 8u * (2 * STAGES + s); };
@@ -309,6 +315,9 @@ struct FwdSm90 {
         // the other ranks' x_done (rank 0 has read them)
         const uint32_t x_ready = bars + 16u + 8u * (4 * STAGES + 4) + 64u;
         const uint32_t x_done = x_ready + 8u;
+        // Q buffer b: loaded (bar_q) and free again (q_empty); the second buffer's pair after x_done
+        auto bar_q = [&](int b) { return b == 0 ? bars : x_done + 8u; };
+        auto q_empty = [&](int b) { return b == 0 ? bars + 8u : x_done + 16u; };
         static_assert(16 + 8 * (4 * STAGES + 4) + 64 + 16 + 16 * (QS - 1) <= 256, "barrier area");
 
         // ---- persistent static schedule: CTA `cta` takes tiles k*nctas + (k odd ? nctas-1-cta : cta) ----
@@ -375,11 +384,11 @@ struct FwdSm90 {
         if (wg == 0) {
             // ================= producer =================
             reg_dealloc<PROD_REGS>();
-            uint32_t si = 0;  // tile-ring position
+            PipeState<2> ss;  // tile-ring position (the scheduler thread's, or the TMA warp's)
             // slot = {m_block (-1 = stop), head, batch, first key row, key tiles, sq, sk, first row}
             auto publish = [&](int m_block, int h, int bi, const fc::SeqRange& sr) {
-                const int slot = si & 1;
-                mbar_wait(sched_empty(slot), ((si >> 1) & 1) ^ 1);
+                const int slot = ss.stage;
+                mbar_wait(sched_empty(slot), ss.phase ^ 1);
                 if ((tid & 31) == 0) {  // the warp's lane 0 (the TMA warp runs this with all lanes)
                     const uint32_t a = sched_val(slot);
                     fc::st_shared_b32(a, m_block);
@@ -392,7 +401,7 @@ struct FwdSm90 {
                     fc::st_shared_b32(a + 28u, sr.q0);
                     mbar_arrive(sched_full(slot));
                 }
-                ++si;
+                ss.advance();
             };
             const fc::SeqRange none{0, 0, 0, 0};
             if (DYN && tid == 32) {
@@ -421,12 +430,12 @@ struct FwdSm90 {
                     tma_prefetch_desc(tmv);
                 }
                 PipeState<STAGES> ks, vs;
-                uint32_t qi = 0;
+                PipeState<QS> qs;  // the Q buffers
                 for (int k = 0;; ++k) {
                     int m_block, h, bi, hk, n_max, k0, q0;
                     if (DYN) {
-                        const int slot = si & 1;
-                        mbar_wait(sched_full(slot), (si >> 1) & 1);
+                        const int slot = ss.stage;
+                        mbar_wait(sched_full(slot), ss.phase);
                         const uint32_t a = sched_val(slot);
                         m_block = (int)fc::ld_shared_b32(a);
                         h = (int)fc::ld_shared_b32(a + 4u);
@@ -436,7 +445,7 @@ struct FwdSm90 {
                         q0 = (int)fc::ld_shared_b32(a + 28u);
                         __syncwarp();  // every lane has read the slot
                         if (lead) mbar_arrive(sched_empty(slot));
-                        ++si;
+                        ss.advance();
                         if (m_block < 0) break;
                         hk = h / p.h_ratio;
                     } else {
@@ -511,8 +520,8 @@ struct FwdSm90 {
                     // previous tile (with a separate O buffer; else past the epilogue). Two buffers:
                     // Q first (its buffer's previous tile is long done), then the first K tile.
                     auto load_q = [&]() {
-                        const int qb = QS > 1 ? (int)(qi & 1) : 0;
-                        mbar_wait(q_empty(qb), ((QS > 1 ? qi >> 1 : qi) & 1) ^ 1);
+                        const int qb = qs.stage;
+                        mbar_wait(q_empty(qb), qs.phase ^ 1);
                         if (lead) {
                             mbar_arrive_expect_tx(bar_q(qb), Q_LOAD);
 #pragma unroll
@@ -520,7 +529,7 @@ struct FwdSm90 {
                                 tma_load_4d(sQ + qb * Q_BYTES + c * BM * 128, tmq, bar_q(qb), c * 64,
                                             q0 + m_block * BM, h, bq, kEvictFirst);
                         }
-                        ++qi;
+                        qs.advance();
                     };
                     if (QS > 1) load_q();
                     load_k(hi - 1);
@@ -551,7 +560,9 @@ struct FwdSm90 {
         const uint32_t slice = c * 8192;
         constexpr int CPR = DV / 8;  // 16-byte chunks per output row
         PipeState<STAGES> ks, vs;
-        uint32_t qi = 0, si = 0, xi = 0;
+        PipeState<2> ss;   // the tile ring
+        PipeState<QS> qs;  // the Q buffers
+        uint32_t xi = 0;
 
         float o[DV / 2];
         float s[BN / 2];
@@ -559,12 +570,12 @@ struct FwdSm90 {
         float m_r[2], l_r[2];
 
         for (;;) {
-            const int slot = si & 1;
-            mbar_wait(sched_full(slot), (si >> 1) & 1);
+            const int slot = ss.stage;
+            mbar_wait(sched_full(slot), ss.phase);
             // The slot stays ours until the tile is done (arrive at the end): head and batch are
             // re-read from it where needed instead of living in registers across the key loop.
             const int m_block = (int)fc::ld_shared_b32(sched_val(slot));
-            ++si;
+            ss.advance();
             if (m_block < 0) break;
             auto head_batch = [&](int& h, int& bi) {
                 h = (int)fc::ld_shared_b32(sched_val(slot) + 4u);
@@ -608,7 +619,7 @@ struct FwdSm90 {
             }
 
             // this tile's Q buffer (QS)
-            const int qb = QS > 1 ? (int)(qi & 1) : 0;
+            const int qb = qs.stage;
             // this CTA's key tiles [lo, hi), walked from hi - 1 down (the whole tile's without a split)
             int lo, hi;
             const bool discard = key_range(n_max, lo, hi);
@@ -621,7 +632,13 @@ struct FwdSm90 {
             // softmax of one S tile held in s[]: mask, new max, alpha, exponentials, partial row sums.
             // key tile n needs masking (it is the ragged last one or crosses the causal diagonal);
             // tiles are walked from the last down, so the masked ones come first
+            // SPV: key tiles n >= n_mask need it (both conditions grow with n: the first holds from
+            // sk / BN on, the second from (m_block * BM + sk - sq + 1) / BN on, which is <= 0 when
+            // every tile does). Computed once per tile: re-reading sq and sk from the slot in every
+            // key tile put two shared loads and a uniform chain before each softmax (session 29).
+            const int n_mask = SPV ? min(sk_of() / BN, (m_block * BM + sk_of() - sq_of() + 1) / BN) : 0;
             auto need_mask = [&](int n) {
+                if (SPV) return n >= n_mask;
                 return (n * BN + BN > sk_of()) || (CAUSAL && n * BN + BN - 1 > m_block * BM + sk_of() - sq_of());
             };
             auto apply_mask = [&](int n) {
@@ -651,26 +668,30 @@ struct FwdSm90 {
             // row's max grew past the threshold) it returns true and leaves l alone; `fix_tile`
             // redoes the tile in finish_pv, where the P registers of the P V in flight are free.
             // One body for both so that the key loop holds one copy of the exponentials.
+            // The exact path's first half: mask, new row max, alpha and the reference max.
+            auto row_max = [&](int n, float (&alpha)[2]) {
+                apply_mask(n);
+                float mx[2] = {m_r[0], m_r[1]};
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                    // The rule of fc::lazy_rescale (common/softmax.cuh, the sm80 kernels), written
+                    // out: through the helper this kernel ran 1.6 % slower at d128 (session 6, call
+                    // K). The first visible key sets the reference (O = 0 and l = 0 until then:
+                    // alpha 1); later only a growth past the threshold moves it. Needs a scale > 0
+                    // (the dispatcher refuses others).
+                    const bool first = m_r[r] == -INFINITY;
+                    const bool upd = first ? mx[r] != -INFINITY : mx[r] * sl2 - m_r[r] * sl2 > RESCALE_LOG2;
+                    alpha[r] = upd && !first ? ex2(m_r[r] * sl2 - mx[r] * sl2) : 1.f;
+                    if (upd) m_r[r] = mx[r];
+                }
+            };
             auto softmax_gen = [&](int n, float (&alpha)[2], bool exact) -> bool {
                 if (exact) {
-                    apply_mask(n);
-                    float mx[2] = {m_r[0], m_r[1]};
-#pragma unroll
-                    for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                        // The rule of fc::lazy_rescale (common/softmax.cuh, the sm80 kernels), written
-                        // out: through the helper this kernel ran 1.6 % slower at d128 (session 6, call
-                        // K). The first visible key sets the reference (O = 0 and l = 0 until then:
-                        // alpha 1); later only a growth past the threshold moves it. Needs a scale > 0
-                        // (the dispatcher refuses others).
-                        const bool first = m_r[r] == -INFINITY;
-                        const bool upd = first ? mx[r] != -INFINITY : mx[r] * sl2 - m_r[r] * sl2 > RESCALE_LOG2;
-                        alpha[r] = upd && !first ? ex2(m_r[r] * sl2 - mx[r] * sl2) : 1.f;
-                        if (upd) m_r[r] = mx[r];
-                    }
+                    row_max(n, alpha);
                 } else {
                     alpha[0] = alpha[1] = 1.f;
                 }
@@ -758,6 +779,47 @@ struct FwdSm90 {
                     for (int j = 0; j < 4; ++j)
                         pa[kk][j] = TypeInfo<T>::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
             };
+            // SPV kernels: the exact softmax of key tile n that also finishes the P V in flight, in
+            // FA3's order: after the row max and the first exponentials, wait for the P V (`pv`: one
+            // is in flight; free its V stage), rescale O, then the other exponentials with P packed
+            // as they come. The rescale and the packing then fill the SFU's gaps instead of standing
+            // between the softmax and the next Q K^T (there they sat after the ping-pong barrier:
+            // session 29, ncu against FA4). No finish_pv then.
+            auto softmax_pv = [&](int n, float (&alpha)[2], bool pv) {
+                row_max(n, alpha);
+                float mu[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+                for (int r = 0; r < 2; ++r) mu[r] = m_r[r] == -INFINITY ? 0.f : m_r[r] * sl2;
+                auto exps = [&](int i0, int i1) {
+#pragma unroll
+                    for (int i = i0; i < i1; ++i) {
+                        const int r = (i >> 1) & 1;
+                        s[i] = ex2(fmaf(s[i], sl2, -mu[r]));
+                        sum[r] += s[i];
+                    }
+                };
+                constexpr int X = BN / 8;  // exponentials before the wait
+                exps(0, X);
+                // The waits sit behind the rescale's branch: in one basic block with the softmax,
+                // ptxas hoisted the wait above the row max (no overlap with the P V: 2-4 % slower).
+                if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+                    wg_wait<0>();
+                    fence_regs(o);
+#pragma unroll
+                    for (int j = 0; j < DV / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
+                }
+                wg_wait<0>();
+                fence_regs(o);
+                fence_regs(pa);
+                if (pv) {
+                    if (t128 == 0) mbar_arrive(empty_v(vs.stage));
+                    vs.advance();
+                }
+                exps(X, BN / 2);
+                convert_p();
+#pragma unroll
+                for (int r = 0; r < 2; ++r) l_r[r] = l_r[r] * alpha[r] + sum[r];
+            };
             // Q K^T over the DV columns in use (a narrow twin: the columns past p.d <= DV are zeros,
             // filled by TMA). The narrow-Q K^T twins of session 16 ran ceil(d / 16) k-steps in a
             // loop bounded by the parameter block (d80 +3-11 %, d160 +1-16 %); the loop in the
@@ -783,7 +845,7 @@ struct FwdSm90 {
             };
             if (PINGPONG && c == NC - 1) named_arrive(BAR_SCHED, 256);  // seed: WG 0 goes first
 
-            mbar_wait(bar_q(qb), (QS > 1 ? qi >> 1 : qi) & 1);
+            mbar_wait(bar_q(qb), qs.phase);
             // ---- prologue: S_0 = Q K_0^T, softmax, P_0 ----
             mbar_wait(full_k(ks.stage), ks.phase);
             sched_sync();
@@ -799,7 +861,10 @@ struct FwdSm90 {
             ks.advance();
             float alpha[2];
             cap_scores(hi - 1);
-            softmax(hi - 1, alpha);
+            if (SPV)
+                softmax_pv(hi - 1, alpha, false);
+            else
+                softmax(hi - 1, alpha);
             // Paged pools: the rows of the last key tile past the sequence's end hold whatever the
             // page holds (P is 0 there, but 0 * NaN is NaN): zero them in its V stage (the first
             // V tile of the loop) before any P V reads it. Both consumer warpgroups write the same
@@ -822,7 +887,8 @@ struct FwdSm90 {
             // ---- steady state. Iteration i: finish tile i-1's P V (wait, release V, rescale O, P_{i-1}
             // to registers), then issue S_i = Q K_i^T and O += P_{i-1} V_{i-1}; softmax_i overlaps that
             // P V. The wait for P V sits at the top of the next iteration (after the loop back-edge) so
-            // ptxas cannot hoist it above the softmax. ----
+            // ptxas cannot hoist it above the softmax. SPV kernels do that finishing inside
+            // softmax_pv instead (no finish_pv). ----
             // Finish the P V in flight (if `release`, free its V stage), finish the previous key
             // tile's softmax if softmax_gen left it (`fix`: fix_tile reads Q and that tile's K stage,
             // so each warp frees the K stage after it, and Q after the last finish_pv), rescale O,
@@ -850,7 +916,7 @@ struct FwdSm90 {
             };
             for (int i = 1; i < NT; ++i) {
                 const int n = hi - 1 - i;
-                finish_pv(i >= 2, n + 1);
+                if (!SPV) finish_pv(i >= 2, n + 1);
                 mbar_wait(full_k(ks.stage), ks.phase);
                 sched_sync();
                 fence_regs(s);
@@ -879,10 +945,13 @@ struct FwdSm90 {
                     if (!fix && lane == 0) mbar_arrive(empty_k(kprev));
                 } else {
                     if (t128 == 0) mbar_arrive(empty_k(kprev));
-                    softmax(n, alpha);
+                    if (SPV)
+                        softmax_pv(n, alpha, true);
+                    else
+                        softmax(n, alpha);
                 }
             }
-            finish_pv(NT >= 2, lo);
+            if (!SPV) finish_pv(NT >= 2, lo);
             // all Q K^T of this tile are complete: with a separate O buffer, Q can be reloaded now
             if (SEP_O && (FAST ? lane == 0 : t128 == 0)) mbar_arrive(q_empty(qb));
             // ---- tail: O += P_{T-1} V_{T-1} ----
@@ -923,7 +992,7 @@ struct FwdSm90 {
                     mbar_wait(x_done, xi & 1);
                     ++xi;
                     mbar_arrive(sched_empty(slot));
-                    ++qi;
+                    qs.advance();
                     continue;
                 }
                 mbar_wait_cluster(x_ready, xi & 1);
@@ -1043,7 +1112,7 @@ struct FwdSm90 {
                     mbar_arrive(q_empty(0));
                 }
                 mbar_arrive(sched_empty(slot));
-                ++qi;
+                qs.advance();
                 continue;
             }
             fence_proxy_async_smem();
@@ -1061,7 +1130,7 @@ struct FwdSm90 {
                 }
             }
             mbar_arrive(sched_empty(slot));
-            ++qi;
+            qs.advance();
         }
         // the CTA's smem must outlive this thread's last TMA store
         if (t128 == 0) bulk_wait();
