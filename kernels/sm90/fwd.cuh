@@ -218,12 +218,20 @@ struct FwdSm90 {
     // 1.4-4.3 % through register pressure in the key loop): docs/perf.md, "Session 9" and "Session 10".
     static constexpr bool FAST = !CAUSAL;
     // Causal 128-row tiles up to d128 (two consumer warpgroups): the exact softmax also finishes
-    // the P V in flight (`softmax_pv`, FA3's order) and the mask test is one per-tile threshold
-    // (`n_mask`). Same-binary A/B on the H100 (session 29, docs/perf.md): d64 causal 512 / 1k
-    // +1.8-3.5 %, d128 causal +0-2 %, LLaMA prefill +1.8 %; the d64 192x128 causal tile ran
-    // 1.6-2.2 % slower at 8k / 16k with it and d256 causal 1.3-1.9 % slower at 1k / 2k with the
-    // threshold, so those keep the old order.
+    // the P V in flight (`softmax_pv`, FA3's order). Same-binary A/B on the H100 (session 29,
+    // docs/perf.md): d64 causal 512 / 1k +1.8-3.5 %, d128 causal +0-2 %, LLaMA prefill +1.8 %;
+    // the d64 192x128 causal tile ran 1.6-2.2 % slower at 8k / 16k with it, so it keeps the old
+    // order.
     static constexpr bool SPV = CAUSAL && NC == 2 && D <= 128;
+    // Causal tiles up to d128 (SPV's and the d64 192x128 one): the mask test is one per-tile
+    // threshold (`n_mask`), and each row's sum of exponentials is two partial sums (even and odd
+    // elements), which halves the serial FADD chain that follows the exponentials. Same-binary
+    // A/B on the H100 (session 30, docs/perf.md): d64 192x128 causal 2k-16k +1.2-2.0 %
+    // (the threshold alone +0.7-1.7 %), two sums on the SPV tiles d64 512 / 1k +1.0-1.1 %, LLaMA
+    // prefill +1.0 %, d128 causal -0.4 to +1.0 %. d256 causal lost 1.3-1.9 % at 1k / 2k with the
+    // threshold (session 29) and gained nothing from two sums; non-causal tiles lost 1-2 % at
+    // d64 with two sums (session 30), so those keep one.
+    static constexpr bool CAUSAL_SHORT = CAUSAL && D <= 128;
     using QK = Wgmma<BN, BF>;
     using PV = Wgmma<DV, BF>;
 
@@ -632,13 +640,14 @@ struct FwdSm90 {
             // softmax of one S tile held in s[]: mask, new max, alpha, exponentials, partial row sums.
             // key tile n needs masking (it is the ragged last one or crosses the causal diagonal);
             // tiles are walked from the last down, so the masked ones come first
-            // SPV: key tiles n >= n_mask need it (both conditions grow with n: the first holds from
-            // sk / BN on, the second from (m_block * BM + sk - sq + 1) / BN on, which is <= 0 when
-            // every tile does). Computed once per tile: re-reading sq and sk from the slot in every
-            // key tile put two shared loads and a uniform chain before each softmax (session 29).
-            const int n_mask = SPV ? min(sk_of() / BN, (m_block * BM + sk_of() - sq_of() + 1) / BN) : 0;
+            // CAUSAL_SHORT: key tiles n >= n_mask need it (both conditions grow with n: the first
+            // holds from sk / BN on, the second from (m_block * BM + sk - sq + 1) / BN on, which is
+            // <= 0 when every tile does). Computed once per tile: re-reading sq and sk from the
+            // slot in every key tile put two shared loads and a uniform chain before each softmax
+            // (session 29).
+            const int n_mask = CAUSAL_SHORT ? min(sk_of() / BN, (m_block * BM + sk_of() - sq_of() + 1) / BN) : 0;
             auto need_mask = [&](int n) {
-                if (SPV) return n >= n_mask;
+                if (CAUSAL_SHORT) return n >= n_mask;
                 return (n * BN + BN > sk_of()) || (CAUSAL && n * BN + BN - 1 > m_block * BM + sk_of() - sq_of());
             };
             auto apply_mask = [&](int n) {
@@ -689,25 +698,39 @@ struct FwdSm90 {
                     if (upd) m_r[r] = mx[r];
                 }
             };
+            // The rows' reference max in exp2 units (0 for a row that has seen no key yet).
+            auto ref_mu = [&](float (&mu)[2]) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) mu[r] = m_r[r] == -INFINITY ? 0.f : m_r[r] * sl2;
+            };
+            // The exponentials of s[i0, i1) against mu, added to the row sums ps: two partial sums
+            // per row on CAUSAL_SHORT tiles (even and odd elements), one otherwise; `total` adds
+            // them up.
+            auto exps = [&](int i0, int i1, const float (&mu)[2], float (&ps)[2][2]) {
+#pragma unroll
+                for (int i = i0; i < i1; ++i) {
+                    const int r = (i >> 1) & 1;
+                    s[i] = ex2(fmaf(s[i], sl2, -mu[r]));
+                    ps[r][CAUSAL_SHORT ? (i & 1) : 0] += s[i];
+                }
+            };
+            auto total = [&](const float (&ps)[2][2], int r) { return CAUSAL_SHORT ? ps[r][0] + ps[r][1] : ps[r][0]; };
+            auto add_l = [&](const float (&alpha)[2], const float (&ps)[2][2]) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) l_r[r] = l_r[r] * alpha[r] + total(ps, r);
+            };
             auto softmax_gen = [&](int n, float (&alpha)[2], bool exact) -> bool {
                 if (exact) {
                     row_max(n, alpha);
                 } else {
                     alpha[0] = alpha[1] = 1.f;
                 }
-                float mu[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-                for (int r = 0; r < 2; ++r) mu[r] = m_r[r] == -INFINITY ? 0.f : m_r[r] * sl2;
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i) {
-                    const int r = (i >> 1) & 1;
-                    s[i] = ex2(fmaf(s[i], sl2, -mu[r]));
-                    sum[r] += s[i];
-                }
+                float mu[2], ps[2][2] = {};
+                ref_mu(mu);
+                exps(0, BN / 2, mu, ps);
                 constexpr float LIM = 1u << (int)RESCALE_LOG2;
-                if (!exact && __any_sync(0xffffffffu, !(sum[0] <= LIM) || !(sum[1] <= LIM))) return true;
-#pragma unroll
-                for (int r = 0; r < 2; ++r) l_r[r] = l_r[r] * alpha[r] + sum[r];
+                if (!exact && __any_sync(0xffffffffu, !(total(ps, 0) <= LIM) || !(total(ps, 1) <= LIM))) return true;
+                add_l(alpha, ps);
                 return false;
             };
             auto softmax = [&](int n, float (&alpha)[2]) { softmax_gen(n, alpha, true); };
@@ -779,6 +802,17 @@ struct FwdSm90 {
                     for (int j = 0; j < 4; ++j)
                         pa[kk][j] = TypeInfo<T>::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
             };
+            // The P V in flight is complete: O and P are this warpgroup's again; `release` frees its
+            // V stage.
+            auto pv_done = [&](bool release) {
+                wg_wait<0>();
+                fence_regs(o);
+                fence_regs(pa);
+                if (release) {
+                    if (t128 == 0) mbar_arrive(empty_v(vs.stage));
+                    vs.advance();
+                }
+            };
             // SPV kernels: the exact softmax of key tile n that also finishes the P V in flight, in
             // FA3's order: after the row max and the first exponentials, wait for the P V (`pv`: one
             // is in flight; free its V stage), rescale O, then the other exponentials with P packed
@@ -787,19 +821,13 @@ struct FwdSm90 {
             // session 29, ncu against FA4). No finish_pv then.
             auto softmax_pv = [&](int n, float (&alpha)[2], bool pv) {
                 row_max(n, alpha);
-                float mu[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-                for (int r = 0; r < 2; ++r) mu[r] = m_r[r] == -INFINITY ? 0.f : m_r[r] * sl2;
-                auto exps = [&](int i0, int i1) {
-#pragma unroll
-                    for (int i = i0; i < i1; ++i) {
-                        const int r = (i >> 1) & 1;
-                        s[i] = ex2(fmaf(s[i], sl2, -mu[r]));
-                        sum[r] += s[i];
-                    }
-                };
-                constexpr int X = BN / 8;  // exponentials before the wait
-                exps(0, X);
+                float mu[2], ps[2][2] = {};
+                ref_mu(mu);
+                // exponentials before the wait: BN / 16 against BN / 8, same binary (H100, session 30):
+                // d64 / d128 causal 512-8k and LLaMA prefill +0.5-1.3 %, d128 16k -1.2 to +0.3 %;
+                // BN / 4 ran 0.5-2.7 % slower
+                constexpr int X = BN / 16;
+                exps(0, X, mu, ps);
                 // The waits sit behind the rescale's branch: in one basic block with the softmax,
                 // ptxas hoisted the wait above the row max (no overlap with the P V: 2-4 % slower).
                 if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
@@ -808,17 +836,10 @@ struct FwdSm90 {
 #pragma unroll
                     for (int j = 0; j < DV / 2; ++j) o[j] *= alpha[(j >> 1) & 1];
                 }
-                wg_wait<0>();
-                fence_regs(o);
-                fence_regs(pa);
-                if (pv) {
-                    if (t128 == 0) mbar_arrive(empty_v(vs.stage));
-                    vs.advance();
-                }
-                exps(X, BN / 2);
+                pv_done(pv);
+                exps(X, BN / 2, mu, ps);
                 convert_p();
-#pragma unroll
-                for (int r = 0; r < 2; ++r) l_r[r] = l_r[r] * alpha[r] + sum[r];
+                add_l(alpha, ps);
             };
             // Q K^T over the DV columns in use (a narrow twin: the columns past p.d <= DV are zeros,
             // filled by TMA). The narrow-Q K^T twins of session 16 ran ceil(d / 16) k-steps in a
@@ -892,7 +913,9 @@ struct FwdSm90 {
             // Finish the P V in flight (if `release`, free its V stage), finish the previous key
             // tile's softmax if softmax_gen left it (`fix`: fix_tile reads Q and that tile's K stage,
             // so each warp frees the K stage after it, and Q after the last finish_pv), rescale O,
-            // P to registers.
+            // P to registers. The first lines are pv_done's, written out: calling pv_done here, or
+            // beside finish_pv in the loop, changed the register allocation of the non-causal and
+            // softcap kernels (session 30), which are kept as measured.
             bool fix = false;
             uint32_t kprev = 0;
             auto finish_pv = [&](bool release, int nprev) {
@@ -963,11 +986,7 @@ struct FwdSm90 {
             issue_pv(vs.stage);
             wg_commit();
             sched_arrive(true);
-            wg_wait<0>();
-            fence_regs(o);
-            fence_regs(pa);
-            if (t128 == 0) mbar_arrive(empty_v(vs.stage));
-            vs.advance();
+            pv_done(true);
 
             // ================= key split: gather the other ranks' partials into rank 0 =================
             if (SPLIT && splits > 1) {
