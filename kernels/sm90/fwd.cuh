@@ -89,6 +89,11 @@
 
 namespace fc90 {
 
+// A compile-time element count passed to the consumers' generic lambdas.
+template <int N> struct Int {
+    static constexpr int value = N;
+};
+
 // A separate O staging buffer (BM x D) is used when it fits in the 227 KB opt-in limit; it lets the
 // next tile's Q load start as soon as the last Q K^T of the current tile has completed.
 // `qs`: Q buffers (QS, 1 or 2).
@@ -650,7 +655,8 @@ struct FwdSm90 {
                 if (CAUSAL_SHORT) return n >= n_mask;
                 return (n * BN + BN > sk_of()) || (CAUSAL && n * BN + BN - 1 > m_block * BM + sk_of() - sq_of());
             };
-            auto apply_mask = [&](int n) {
+            auto apply_mask = [&](int n, auto ne) {
+                constexpr int NE = decltype(ne)::value;
                 if (need_mask(n)) {
                     // Keys col < lim[r] are visible to row r (col < sk and, causal, col <= row + sk - sq):
                     // one compare against a constant column offset and one select per element (the
@@ -664,7 +670,7 @@ struct FwdSm90 {
                         if (CAUSAL) lim[r] = min(lim[r], row0 + 8 * r + sk_of() - sq_of() + 1 - col0);
                     }
 #pragma unroll
-                    for (int i = 0; i < BN / 2; ++i)
+                    for (int i = 0; i < NE; ++i)
                         if (8 * (i >> 2) + (i & 1) >= lim[(i >> 1) & 1]) s[i] = -INFINITY;
                 }
             };
@@ -678,11 +684,12 @@ struct FwdSm90 {
             // redoes the tile in finish_pv, where the P registers of the P V in flight are free.
             // One body for both so that the key loop holds one copy of the exponentials.
             // The exact path's first half: mask, new row max, alpha and the reference max.
-            auto row_max = [&](int n, float (&alpha)[2]) {
-                apply_mask(n);
+            auto row_max = [&](int n, float (&alpha)[2], auto ne) {
+                constexpr int NE = decltype(ne)::value;
+                apply_mask(n, ne);
                 float mx[2] = {m_r[0], m_r[1]};
 #pragma unroll
-                for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+                for (int i = 0; i < NE; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -721,7 +728,7 @@ struct FwdSm90 {
             };
             auto softmax_gen = [&](int n, float (&alpha)[2], bool exact) -> bool {
                 if (exact) {
-                    row_max(n, alpha);
+                    row_max(n, alpha, Int<BN / 2>{});
                 } else {
                     alpha[0] = alpha[1] = 1.f;
                 }
@@ -820,7 +827,7 @@ struct FwdSm90 {
             // between the softmax and the next Q K^T (there they sat after the ping-pong barrier:
             // session 29, ncu against FA4). No finish_pv then.
             auto softmax_pv = [&](int n, float (&alpha)[2], bool pv) {
-                row_max(n, alpha);
+                row_max(n, alpha, Int<BN / 2>{});
                 float mu[2], ps[2][2] = {};
                 ref_mu(mu);
                 // exponentials before the wait: BN / 16 against BN / 8, same binary (H100, session 30):
@@ -866,6 +873,17 @@ struct FwdSm90 {
             };
             if (PINGPONG && c == NC - 1) named_arrive(BAR_SCHED, 256);  // seed: WG 0 goes first
 
+            // HALF: the warpgroup's first key tile is visible to its rows in its first half only (the
+            // diagonal tile of the first warpgroup when BM = BN and seq_q = seq_k): its row max,
+            // exponentials and sums run over those BN / 2 keys, and its P is zero in the other
+            // half. The Q K^T stays whole: a second Q K^T shape in the same kernel made ptxas
+            // serialise the wgmmas (C7511, C7520). Same-binary A/B on the H100 (session 31,
+            // docs/perf.md): d64 causal 512 / 1k +2.0 / +2.8 %; on the d64 192x128, d128 and d256
+            // causal tiles the same code cost 1-6 % (it changed their key loops' code), so it is
+            // the d64 128-row causal tile's alone.
+            constexpr bool HALF = SPV && D == 64 && BN == 128;
+            const bool half = HALF && m_block * BM + c * 64 + 64 + sk_of() - sq_of() <= (hi - 1) * BN + BN / 2;
+
             mbar_wait(bar_q(qb), qs.phase);
             // ---- prologue: S_0 = Q K_0^T, softmax, P_0 ----
             mbar_wait(full_k(ks.stage), ks.phase);
@@ -882,10 +900,20 @@ struct FwdSm90 {
             ks.advance();
             float alpha[2];
             cap_scores(hi - 1);
-            if (SPV)
+            if (half) {  // (alpha = 1: the first key tile)
+                row_max(hi - 1, alpha, Int<BN / 4>{});
+                float mu[2], ps[2][2] = {};
+                ref_mu(mu);
+                exps(0, BN / 4, mu, ps);
+#pragma unroll
+                for (int i = BN / 4; i < BN / 2; ++i) s[i] = 0.f;
+                convert_p();
+                add_l(alpha, ps);
+            } else if (SPV) {
                 softmax_pv(hi - 1, alpha, false);
-            else
+            } else {
                 softmax(hi - 1, alpha);
+            }
             // Paged pools: the rows of the last key tile past the sequence's end hold whatever the
             // page holds (P is 0 there, but 0 * NaN is NaN): zero them in its V stage (the first
             // V tile of the loop) before any P V reads it. Both consumer warpgroups write the same
@@ -913,19 +941,11 @@ struct FwdSm90 {
             // Finish the P V in flight (if `release`, free its V stage), finish the previous key
             // tile's softmax if softmax_gen left it (`fix`: fix_tile reads Q and that tile's K stage,
             // so each warp frees the K stage after it, and Q after the last finish_pv), rescale O,
-            // P to registers. The first lines are pv_done's, written out: calling pv_done here, or
-            // beside finish_pv in the loop, changed the register allocation of the non-causal and
-            // softcap kernels (session 30), which are kept as measured.
+            // P to registers.
             bool fix = false;
             uint32_t kprev = 0;
             auto finish_pv = [&](bool release, int nprev) {
-                wg_wait<0>();
-                fence_regs(o);
-                fence_regs(pa);
-                if (release) {
-                    if (t128 == 0) mbar_arrive(empty_v(vs.stage));
-                    vs.advance();
-                }
+                pv_done(release);
                 if (fix) {
                     fix_tile(nprev, kprev, alpha);
                     if (lane == 0) mbar_arrive(empty_k(kprev));
@@ -949,6 +969,7 @@ struct FwdSm90 {
                 issue_qk(ks.stage);
                 wg_commit();
                 mbar_wait(full_v(vs.stage), vs.phase);
+                wg_fence();  // (without it ptxas puts one here itself and warns: C7519)
                 issue_pv(vs.stage);
                 wg_commit();
                 sched_arrive(false);
