@@ -237,6 +237,10 @@ struct FwdSm90 {
     // threshold (session 29) and gained nothing from two sums; non-causal tiles lost 1-2 % at
     // d64 with two sums (session 30), so those keep one.
     static constexpr bool CAUSAL_SHORT = CAUSAL && D <= 128;
+    // Causal tiles whose first warpgroup can see none of the query tile's last key tile (see
+    // `SKIP1` in run()): the causal tiles without SPV.
+    static constexpr bool SKIP1 = CAUSAL && !SPV;
+    static_assert(!SKIP1 || BM - 64 <= BN, "SKIP1 passes over one key tile at most");
     using QK = Wgmma<BN, BF>;
     using PV = Wgmma<DV, BF>;
 
@@ -561,7 +565,14 @@ struct FwdSm90 {
 
         // ================= consumers =================
         reg_alloc<CONS_REGS>();
-        const int c = wg - 1;
+        // The consumer warpgroup. Causal tiles take it as a value ptxas knows is the same in every
+        // lane (a shuffle from lane 0): from threadIdx it is per-thread to ptxas, and so is every
+        // wgmma descriptor built from it (the Q slice), which then costs each wgmma of the key
+        // loop an R2UR pair and its address arithmetic (d256 causal 128x64: 589 -> 550
+        // instructions per key tile). Same binary on the H100 (session 31, docs/perf.md): causal
+        // +0.5-1.8 %, LLaMA prefill +1.4 %; but d64 / d128 non-causal 8k -3.3 / -2.1 % and the d256
+        // non-causal 128x80 tile spills 20 B with it, so those keep the per-thread value.
+        const int c = CAUSAL ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
         const int t128 = tid & 127;
         const int warp = t128 >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
         const float sl2 = CAP ? fc::score_unit_log2(p.scale_log2, p.softcap) : p.scale_log2;
@@ -636,7 +647,6 @@ struct FwdSm90 {
             // this CTA's key tiles [lo, hi), walked from hi - 1 down (the whole tile's without a split)
             int lo, hi;
             const bool discard = key_range(n_max, lo, hi);
-            const int NT = hi - lo;
             m_r[0] = m_r[1] = -INFINITY;
             l_r[0] = l_r[1] = 0.f;
 #pragma unroll
@@ -873,16 +883,38 @@ struct FwdSm90 {
             };
             if (PINGPONG && c == NC - 1) named_arrive(BAR_SCHED, 256);  // seed: WG 0 goes first
 
-            // HALF: the warpgroup's first key tile is visible to its rows in its first half only (the
-            // diagonal tile of the first warpgroup when BM = BN and seq_q = seq_k): its row max,
-            // exponentials and sums run over those BN / 2 keys, and its P is zero in the other
-            // half. The Q K^T stays whole: a second Q K^T shape in the same kernel made ptxas
-            // serialise the wgmmas (C7511, C7520). Same-binary A/B on the H100 (session 31,
-            // docs/perf.md): d64 causal 512 / 1k +2.0 / +2.8 %; on the d64 192x128, d128 and d256
-            // causal tiles the same code cost 1-6 % (it changed their key loops' code), so it is
-            // the d64 128-row causal tile's alone.
-            constexpr bool HALF = SPV && D == 64 && BN == 128;
-            const bool half = HALF && m_block * BM + c * 64 + 64 + sk_of() - sq_of() <= (hi - 1) * BN + BN / 2;
+            // SKIP1 (causal tiles without SPV: d64 192x128, d256): the warpgroup's first key tile is
+            // masked whole for its rows (its diagonal lies in the tile's other warpgroups: every d256
+            // 128x64 query tile's first warpgroup, most d64 192x128 tiles' first two). It waits
+            // for that tile's K and V and frees them, passes its ping-pong turn on, and starts at
+            // the next tile. BM - 64 <= BN, so one tile at most. The branch is a warp vote:
+            // decided on values read from shared memory it would be divergent to ptxas, which
+            // then builds the whole key loop for divergent warps (the stage and phase it advances
+            // no longer uniform: 24 more R2UR / IMAD per iteration, WARPSYNC around the wgmmas)
+            // and the kernel ran 6-10 % slower. Same-binary A/B on the H100 (session 31,
+            // docs/perf.md): d256 causal 512-8k +0.9-2.7 %, d64 causal 2k +3.5 %.
+            if (SKIP1 && __any_sync(0xffffffffu, hi - lo >= 2 && m_block * BM + c * 64 + 64 + sk_of() - sq_of() <= (hi - 1) * BN)) {
+                mbar_wait(full_k(ks.stage), ks.phase);
+                if (t128 == 0) mbar_arrive(empty_k(ks.stage));
+                ks.advance();
+                sched_sync();
+                sched_arrive(false);
+                mbar_wait(full_v(vs.stage), vs.phase);
+                if (t128 == 0) mbar_arrive(empty_v(vs.stage));
+                vs.advance();
+                --hi;
+            }
+            const int NT = hi - lo;
+            constexpr bool HALF = CAUSAL && !CAP && D == 64 && BN == 128;
+            // HALF (the d64 causal tiles): the warpgroup's first key tile is visible to its rows in
+            // its first half only (at BM = BN and seq_q = seq_k, the first warpgroup's diagonal
+            // tile): its row max, exponentials and sums run over those BN / 2 keys, and its P is
+            // zero in the other half. The Q K^T stays whole (a second Q K^T shape in the kernel
+            // made ptxas serialise the wgmmas: C7511, C7520). A warp vote, as SKIP1. Same-binary
+            // A/B on the H100 (session 31, docs/perf.md): d64 causal 512 / 1k +2.0 / +3.1 % with
+            // a divergent branch, then +2.0 / +3.8 % more with the vote; the 192x128 tile 2k / 8k
+            // +1.1 / +0.8 % over SKIP1 alone; on the d128 tiles -1 to +1.6 %, so not there.
+            const bool half = HALF && __any_sync(0xffffffffu, m_block * BM + c * 64 + 64 + sk_of() - sq_of() <= (hi - 1) * BN + BN / 2);
 
             mbar_wait(bar_q(qb), qs.phase);
             // ---- prologue: S_0 = Q K_0^T, softmax, P_0 ----
