@@ -647,6 +647,7 @@ struct FwdSm90 {
             // this CTA's key tiles [lo, hi), walked from hi - 1 down (the whole tile's without a split)
             int lo, hi;
             const bool discard = key_range(n_max, lo, hi);
+            int NT = hi - lo;
             m_r[0] = m_r[1] = -INFINITY;
             l_r[0] = l_r[1] = 0.f;
 #pragma unroll
@@ -903,8 +904,8 @@ struct FwdSm90 {
                 if (t128 == 0) mbar_arrive(empty_v(vs.stage));
                 vs.advance();
                 --hi;
+                --NT;
             }
-            const int NT = hi - lo;
             constexpr bool HALF = CAUSAL && !CAP && D == 64 && BN == 128;
             // HALF (the d64 causal tiles): the warpgroup's first key tile is visible to its rows in
             // its first half only (at BM = BN and seq_q = seq_k, the first warpgroup's diagonal
