@@ -884,6 +884,9 @@ struct FwdSm90 {
             };
             if (PINGPONG && c == NC - 1) named_arrive(BAR_SCHED, 256);  // seed: WG 0 goes first
 
+            // Causal: the keys this warpgroup's rows can see end here (its last row's diagonal + 1),
+            // re-read from the tile slot as everywhere in the consumer (SKIP1 and HALF below).
+            auto wg_key_end = [&]() { return m_block * BM + c * 64 + 64 + sk_of() - sq_of(); };
             // SKIP1 (causal tiles without SPV: d64 192x128, d256): the warpgroup's first key tile is
             // masked whole for its rows (its diagonal lies in the tile's other warpgroups: every d256
             // 128x64 query tile's first warpgroup, most d64 192x128 tiles' first two). It waits
@@ -894,7 +897,7 @@ struct FwdSm90 {
             // no longer uniform: 24 more R2UR / IMAD per iteration, WARPSYNC around the wgmmas)
             // and the kernel ran 6-10 % slower. Same-binary A/B on the H100 (session 31,
             // docs/perf.md): d256 causal 512-8k +0.9-2.7 %, d64 causal 2k +3.5 %.
-            if (SKIP1 && __any_sync(0xffffffffu, hi - lo >= 2 && m_block * BM + c * 64 + 64 + sk_of() - sq_of() <= (hi - 1) * BN)) {
+            if (SKIP1 && __any_sync(0xffffffffu, hi - lo >= 2 && wg_key_end() <= (hi - 1) * BN)) {
                 mbar_wait(full_k(ks.stage), ks.phase);
                 if (t128 == 0) mbar_arrive(empty_k(ks.stage));
                 ks.advance();
@@ -915,7 +918,7 @@ struct FwdSm90 {
             // A/B on the H100 (session 31, docs/perf.md): d64 causal 512 / 1k +2.0 / +3.1 % with
             // a divergent branch, then +2.0 / +3.8 % more with the vote; the 192x128 tile 2k / 8k
             // +1.1 / +0.8 % over SKIP1 alone; on the d128 tiles -1 to +1.6 %, so not there.
-            const bool half = HALF && __any_sync(0xffffffffu, m_block * BM + c * 64 + 64 + sk_of() - sq_of() <= (hi - 1) * BN + BN / 2);
+            const bool half = HALF && __any_sync(0xffffffffu, wg_key_end() <= (hi - 1) * BN + BN / 2);
 
             mbar_wait(bar_q(qb), qs.phase);
             // ---- prologue: S_0 = Q K_0^T, softmax, P_0 ----
