@@ -207,7 +207,9 @@ impl Variant {
         }
         match self.block_m {
             256 => sq.div_ceil(256) * bh >= sms,
-            128 => (matches!(self.mask, KMask::Causal) && sq <= 1024) || sq.div_ceil(128) * bh <= sms,
+            SM90_SMALL_BLOCK_M => {
+                (matches!(self.mask, KMask::Causal) && sq <= 1024) || sq.div_ceil(SM90_SMALL_BLOCK_M as usize) * bh <= sms
+            }
             _ => true,
         }
     }
@@ -354,12 +356,23 @@ const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false, q_stages: 1 }
 }
 
+/// Packed query rows (`h_ratio * seq_q` per K/V head and sequence) per CTA of the split-KV decode
+/// kernels at head dims up to 128 (d256: 32). The dispatcher counts decode blocks of this height
+/// (src/cuda/mod.rs `decode_beats_starved_prefill`).
+pub const DECODE_BLOCK_M: u32 = 64;
+
+/// Query rows per CTA of the sm90 tiles that serve grids of few query tiles: the 128-row d64
+/// tiles (`sm90_d64_small`, `sm90_d64_causal_short`) and their key-split twins. The dispatcher's
+/// grid arithmetic (`serves_grid`, src/cuda/mod.rs `kv_splits`, `decode_beats_starved_prefill`)
+/// counts query tiles of this height.
+pub const SM90_SMALL_BLOCK_M: u32 = 128;
+
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // Split-KV decode: block_m = packed query rows (h_ratio * sq) per CTA, block_n = keys per
     // cp.async stage. 40 / 80 / 80 KB of smem: fits sm_86/89's 99 KB. See docs/perf.md.
     let (block_m, block_n, warps, stages) = match head_dim {
         256 => (32, 32, 2, 2),
-        _ => (64, 64, 4, 2),
+        _ => (DECODE_BLOCK_M, 64, 4, 2),
     };
     Variant { family: "sm80", kind: KKind::Decode, dtype, head_dim, mask, block_m, block_n, warps, stages, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false, q_stages: 1 }
 }
@@ -440,7 +453,7 @@ const fn sm90_d64_short(dtype: KDType) -> Variant {
 /// events after an L2 flush (session 26): 1x8x512 14.7 -> 13.3 us, 1x16x1024 21.2 -> 19.0,
 /// 1x4x2048 30.5 -> 26.8.
 const fn sm90_d64_small(dtype: KDType) -> Variant {
-    sm90_tile(dtype, 64, KMask::None, 128, 128, u32::MAX)
+    sm90_tile(dtype, 64, KMask::None, SM90_SMALL_BLOCK_M, 128, u32::MAX)
 }
 
 /// Causal d64 up to 1k query rows, and above 1k on grids of at most one 128-row query tile per
@@ -452,7 +465,7 @@ const fn sm90_d64_small(dtype: KDType) -> Variant {
 /// same call (session 11, call B, bf16, two runs each), so on full grids 128 rows keep <= 1k.
 /// Two Q buffers: 512 +2.2 %, 1k within 0.3 % (session 28).
 const fn sm90_d64_causal_short(dtype: KDType) -> Variant {
-    q2(sm90_tile(dtype, 64, KMask::Causal, 128, 128, u32::MAX))
+    q2(sm90_tile(dtype, 64, KMask::Causal, SM90_SMALL_BLOCK_M, 128, u32::MAX))
 }
 
 /// Non-causal d128 up to 1k query rows: 128-key tiles; longer problems take 128x160 (`sm90`).

@@ -539,6 +539,41 @@ fn key_split_twins_precede_their_kernel() {
     );
 }
 
+/// The dispatcher's grid arithmetic (src/cuda/mod.rs `kv_splits`, `decode_beats_starved_prefill`,
+/// `Variant::serves_grid`) counts query tiles of `SM90_SMALL_BLOCK_M` rows: the tiles it weighs
+/// (the key-split twins, the causal tiles up to d128 but the d64 192-row one, the small-grid d64
+/// tiles) must have that height.
+#[test]
+fn grid_arithmetic_matches_the_tiles() {
+    for v in VARIANTS {
+        if v.kv_split
+            || (v.family == "sm90"
+                && v.kind == KKind::Fwd
+                && v.head_dim <= 128
+                && v.mask == KMask::Causal
+                && v.block_m != 192)
+        {
+            assert_eq!(v.block_m, SM90_SMALL_BLOCK_M, "{}", v.symbol());
+        }
+    }
+    // the 128-row d64 tiles for small grids exist in both dtypes and masks
+    for dtype in [KDType::Bf16, KDType::F16] {
+        for mask in [KMask::None, KMask::Causal] {
+            assert!(
+                VARIANTS.iter().any(|v| v.family == "sm90"
+                    && v.kind == KKind::Fwd
+                    && v.dtype == dtype
+                    && v.head_dim == 64
+                    && v.mask == mask
+                    && v.block_m == SM90_SMALL_BLOCK_M
+                    && !v.kv_split
+                    && v.narrow == 0),
+                "{dtype:?} {mask:?}"
+            );
+        }
+    }
+}
+
 /// Two Q buffers (`Variant::q_stages`, kernels/sm90/fwd.cuh `QS`): sm90 forward kernels only, not
 /// their twins, and only where the separate O buffer still fits beside them (the kernel
 /// static_asserts it; this keeps the host's shared-memory size on the same formula).

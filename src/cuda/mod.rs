@@ -387,8 +387,9 @@ fn smem_budget(info: &DeviceInfo) -> Result<u32> {
 /// 60.0 -> 51.3, 32 over 4k 37.1 -> 34.7; and where the clusters win (32 blocks): 64 over 32k
 /// 196 -> 285 (MHA 200 -> 287), b2 x 32 over 16k 110 -> 154.
 fn decode_beats_starved_prefill(p: &Problem, sms: usize) -> bool {
-    let blocks = p.b * p.hkv * (p.h_ratio() * p.sq).div_ceil(64);
-    p.d <= 128 && p.sq.div_ceil(128) * p.hq * p.b < sms && blocks <= 16 && p.sk >= 4096
+    let blocks = p.b * p.hkv * (p.h_ratio() * p.sq).div_ceil(variants::DECODE_BLOCK_M as usize);
+    let tiles = p.sq.div_ceil(variants::SM90_SMALL_BLOCK_M as usize) * p.hq * p.b;
+    p.d <= 128 && tiles < sms && blocks <= 16 && p.sk >= 4096
 }
 
 /// Clusters of how many CTAs split each query tile's keys on the sm90 key-split twins
@@ -412,7 +413,7 @@ fn kv_splits(p: &Problem, sms: usize) -> usize {
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|n| matches!(n, 1 | 2 | 4))
     });
-    let tiles = p.sq.div_ceil(128) * p.hq * p.b;
+    let tiles = p.sq.div_ceil(variants::SM90_SMALL_BLOCK_M as usize) * p.hq * p.b;
     match forced {
         Some(n) if tiles * n <= sms => n,
         Some(_) => 1,
