@@ -64,16 +64,17 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// Spin on try_wait until the phase of `parity` has completed; SEM is the wait's memory semantics
+// ("" = the default acquire at CTA scope, or ".acquire.cluster": mbar_wait_cluster).
+#define FC_MBAR_WAIT_ASM(SEM)                                          \
+    "{\n"                                                              \
+    ".reg .pred P1;\n"                                                 \
+    "WAIT_%=:\n"                                                       \
+    "mbarrier.try_wait.parity" SEM ".shared::cta.b64 P1, [%0], %1;\n" \
+    "@!P1 bra WAIT_%=;\n"                                              \
+    "}\n"
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred P1;\n"
-        "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-        "@!P1 bra WAIT_%=;\n"
-        "}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
+    asm volatile(FC_MBAR_WAIT_ASM("") ::"r"(bar), "r"(parity) : "memory");
 }
 
 // ---- thread-block clusters and distributed shared memory (the key-split twins, fwd.cuh SPLIT) ---
@@ -95,15 +96,7 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t remote_bar) {
 // mbar_wait with acquire at cluster scope: the writes other CTAs released with their arrivals are
 // visible after it.
 __device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred P1;\n"
-        "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
-        "@!P1 bra WAIT_%=;\n"
-        "}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
+    asm volatile(FC_MBAR_WAIT_ASM(".acquire.cluster") ::"r"(bar), "r"(parity) : "memory");
 }
 __device__ __forceinline__ float4 ld_cluster_v4(uint32_t addr) {
     float4 v;
