@@ -362,9 +362,10 @@ const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
 pub const DECODE_BLOCK_M: u32 = 64;
 
 /// Query rows per CTA of the sm90 tiles that serve grids of few query tiles: the 128-row d64
-/// tiles (`sm90_d64_small`, `sm90_d64_causal_short`) and their key-split twins. The dispatcher's
-/// grid arithmetic (`serves_grid`, src/cuda/mod.rs `kv_splits`, `decode_beats_starved_prefill`)
-/// counts query tiles of this height.
+/// tiles (`sm90_d64_small`, `sm90_d64_causal_short`); the d128 causal tiles and every key-split
+/// twin have the same height (tests/variants.rs `grid_arithmetic_matches_the_tiles`). The
+/// dispatcher's grid arithmetic (`serves_grid`, src/cuda/mod.rs `kv_splits`,
+/// `decode_beats_starved_prefill`) counts query tiles of this height.
 pub const SM90_SMALL_BLOCK_M: u32 = 128;
 
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
