@@ -187,7 +187,8 @@ fn main() {
         });
         let stderr = String::from_utf8_lossy(&o.stderr);
         for line in stderr.lines().filter(|l| {
-            // ptxas C75xx: wgmma serialised (25-40 % slower, silently: session 15)
+            // ptxas C75xx: wgmma serialised (25-40 % slower, silently:
+            // docs/decisions.md#wgmma-serialisation-warnings)
             l.contains("warning") || l.contains("spill") || l.contains("Performance Loss")
         }) {
             if !line.contains(" 0 bytes spill") {

@@ -200,7 +200,7 @@ impl Variant {
     /// and any problem whose 128-row tiles all run at once, one per SM (`sm90_d64_small`; causal
     /// too): each CTA then walks the keys for 128 rows instead of 192. Between that and a full
     /// grid of 192-row tiles, the 128-row ones would take a second round on some SMs (2 x 1500
-    /// rows x 8 heads causal: 29.9 against 29.0 us, H100, session 26).
+    /// rows x 8 heads causal: 29.9 against 29.0 us, H100; docs/decisions.md#small-grids-on-128-row-tiles).
     pub const fn serves_grid(&self, sq: usize, bh: usize, sms: usize) -> bool {
         if !self.is_family("sm90") || !matches!(self.kind, KKind::Fwd) || self.head_dim != 64 {
             return true;
@@ -223,13 +223,13 @@ impl Variant {
     /// four-warpgroup tiles, whose producers have no room for the page walk: `FwdSm90::PAGED`,
     /// kernels/sm90/fwd.cuh) on power-of-two pages; a box is min(page_size, the largest power of
     /// two dividing block_n) rows, each inside one page, the boxes of a tile issued by one lane of
-    /// the TMA warp each. From 32-row boxes (H100, session 19, docs/perf.md): chunked prefill at
+    /// the TMA warp each. From 32-row boxes (H100, docs/decisions.md#paged-prefill-tma-boxes): chunked prefill at
     /// pages of 32 runs 0.94-0.98x the contiguous cache (gathered: 0.80-0.88x); 16-row boxes run
     /// 0.80-0.87x, about what gathering costs (the TMA unit takes about as long for a 2 KB box as
     /// for an 8 KB one), so pages of 16 are gathered at d128 / d256 by these kernels. The paged
     /// twins (`paged`) take one box per page over all column blocks, and pages from 16 rows: a
     /// tile of 16-row pages then costs as many boxes as a d64 kernel's (one 64-column block),
-    /// which read pages of 16 in-kernel too (session 23: 0.96x the contiguous cache at 512 new
+    /// which read pages of 16 in-kernel too (0.96x the contiguous cache at 512 new
     /// over 8192 cached keys, d128, where gathering ran 0.80x).
     pub const fn page_box(&self, page_size: usize) -> Option<u32> {
         let three_dyn = self.block_m == 192
@@ -322,12 +322,12 @@ pub const FAMILIES: &[Family] = &[
 ];
 
 const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
-    // Tile shapes (block_m x block_n, warps, K/V stages) per head dim; see docs/perf.md.
+    // Tile shapes (block_m x block_n, warps, K/V stages) per head dim; see docs/decisions.md#sm80-tiles.
     // Measured on H100 (sm_90 SASS of the mma.sync kernel), bf16, 16k tokens, vs torch FA2.
     // Dynamic smem = (block_m + 2*stages*block_n) * head_dim * 2:
     //   d64 48 KB, d128 80 KB non-causal / 64 KB causal (fit sm_86/89's 99 KB), d256 128 KB
     //   (sm_80; sm_90 takes `sm80_pairs`, sm_86/89 take the `sm80_small` tile below).
-    // d128 non-causal 128x48 (session 5): under the H100's sustained 700 W power cap, where the
+    // d128 non-causal 128x48: under the H100's sustained 700 W power cap, where the
     //   whole fa3 grid runs, 3.7-4.2 % faster than 128x32 (fewer Q re-reads and row reductions
     //   per key); causal stays 128x32 (+1.6 % sustained, mixed in short runs).
     // The Local (MASK_ID 2) kernel of d128 128x32 spills a few bytes: use (64, 64, 4, 2) for it.
@@ -345,13 +345,13 @@ const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // d256 with key-split warp pairs: 128x128, 8 warps (4 pairs of 32 rows), one K and one V
     // stage, 226 KB (H100 / sm_90 only). Per 128-key tile a warp reads 88 KB of smem for 32 x 128
     // outputs where the 128x64 tile's warps read 144 KB for 16 x 256. Forced sm80 on the H100,
-    // bf16 8 x 8 heads x 2k non-causal: 355 TFLOPS against 306 (session 4, docs/perf.md).
+    // bf16 8 x 8 heads x 2k non-causal: 355 TFLOPS against 306 (docs/decisions.md#sm80-d256-warp-pairs).
     Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false, narrow: 0, paged: false, kv_split: false, q_stages: 1 }
 }
 
 const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // d256 for GPUs with 99 KB of smem per block (sm_86/89): 64x32, 4 warps, 2 stages = 96 KB.
-    // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100 (session 3, docs/perf.md),
+    // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100 (docs/decisions.md#sm80-d256-warp-pairs),
     // where the 128 KB tile above runs 1.04-1.08x.
     Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false, q_stages: 1 }
 }
@@ -370,7 +370,7 @@ pub const SM90_SMALL_BLOCK_M: u32 = 128;
 
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // Split-KV decode: block_m = packed query rows (h_ratio * sq) per CTA, block_n = keys per
-    // cp.async stage. 40 / 80 / 80 KB of smem: fits sm_86/89's 99 KB. See docs/perf.md.
+    // cp.async stage. 40 / 80 / 80 KB of smem: fits sm_86/89's 99 KB. See docs/decisions.md#split-kv-decode.
     let (block_m, block_n, warps, stages) = match head_dim {
         256 => (32, 32, 2, 2),
         _ => (DECODE_BLOCK_M, 64, 4, 2),
@@ -379,7 +379,8 @@ const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
 }
 
 const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
-    // wgmma + TMA, 1 producer + block_m/64 consumer warpgroups, 2-stage K/V ring; see docs/perf.md.
+    // wgmma + TMA, 1 producer + block_m/64 consumer warpgroups, 2-stage K/V ring; see
+    // docs/decisions.md#sm90-warp-specialisation.
     // d128 non-causal 128x160 (225 KB with the O staging buffer) serves seq_q > 1k, after
     // `sm90_d128_short`; d256 128x80 serves seq_q > 2k, after `sm90_d256_short`.
     let (block_m, block_n) = match (head_dim, mask) {
@@ -389,8 +390,8 @@ const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
         _ => (128, 80),
     };
     let v = sm90_tile(dtype, head_dim, mask, block_m, block_n, u32::MAX);
-    // Two Q buffers (`Variant::q_stages`) where they measured faster in both runs of session 28
-    // (H100, bf16, same binary, docs/perf.md): d64 non-causal 192x128 2k +2.8-3.5 %, 8k +1.4-3.4 %;
+    // Two Q buffers (`Variant::q_stages`) where they measured faster in both runs
+    // (H100, bf16, same binary, docs/decisions.md#sm90-two-q-buffers): d64 non-causal 192x128 2k +2.8-3.5 %, 8k +1.4-3.4 %;
     // d128 causal 512 +2.0 %, 1k-16k within +-0.5 %. The d64 causal 192x128 kernel ran 4-8 %
     // slower with them (and spilled 4 B), d128 128x160 has no room.
     match (head_dim, mask) {
@@ -439,32 +440,32 @@ const fn sm90_staged(dtype: KDType, head_dim: u32, mask: KMask, block_m: u32, bl
 
 /// Non-causal d64 up to 1k query rows: 256x64 tiles, four consumer warpgroups, a 4-deep K/V ring
 /// (symbol suffix `_s4`). The 192-row tile pads 512 / 1k query rows to 576 / 1152, and d64 is
-/// latency-bound (session 6 profile): a fourth consumer warpgroup hides more of it. Same-binary
-/// A/B on the H100 against 192x128 (session 7, calls C and D, bf16): +8.5 / +6.3 % at 512 / 1k
-/// (2 stages: +3.4-5.1 / +4.5-5.8 %, calls A and B); from 2k up the 64-key tiles lose (2 stages,
-/// call A: -3 % at 2k, -7 % at 8k and 16k). Where it has fewer query tiles than the GPU has SMs
-/// (`Variant::serves_grid`) the later entries take over (session 16, call C: 1x8x512 16.6 ->
-/// 14.7 us on 192x128; session 26: 13.3 us on 128x128).
+/// latency-bound (ncu profile): a fourth consumer warpgroup hides more of it. Same-binary
+/// A/B on the H100 against 192x128 (bf16): +8.5 / +6.3 % at 512 / 1k
+/// (2 stages: +3.4-5.1 / +4.5-5.8 %); from 2k up the 64-key tiles lose (2 stages:
+/// -3 % at 2k, -7 % at 8k and 16k). Where it has fewer query tiles than the GPU has SMs
+/// (`Variant::serves_grid`) the later entries take over (1x8x512 16.6 ->
+/// 14.7 us on 192x128, 13.3 us on 128x128). docs/decisions.md#d64-four-warpgroups.
 const fn sm90_d64_short(dtype: KDType) -> Variant {
     sm90_staged(dtype, 64, KMask::None, 256, 64, 1024, 4)
 }
 
 /// Non-causal d64 on grids of at most one 128-row query tile per SM (`Variant::serves_grid`):
 /// more CTAs, each walking the keys for fewer rows than on the 192-row tile. H100, bf16, CUDA
-/// events after an L2 flush (session 26): 1x8x512 14.7 -> 13.3 us, 1x16x1024 21.2 -> 19.0,
+/// events after an L2 flush (docs/decisions.md#small-grids-on-128-row-tiles): 1x8x512 14.7 -> 13.3 us, 1x16x1024 21.2 -> 19.0,
 /// 1x4x2048 30.5 -> 26.8.
 const fn sm90_d64_small(dtype: KDType) -> Variant {
     sm90_tile(dtype, 64, KMask::None, SM90_SMALL_BLOCK_M, 128, u32::MAX)
 }
 
 /// Causal d64 up to 1k query rows, and above 1k on grids of at most one 128-row query tile per
-/// SM (`Variant::serves_grid`; 1x8x2048 34.0 -> 29.5 us, 1x4x4096 57.0 -> 47.6, session 26):
+/// SM (`Variant::serves_grid`; 1x8x2048 34.0 -> 29.5 us, 1x4x4096 57.0 -> 47.6):
 /// 128-row tiles. With 192-row ones the causal grid computes
 /// 1.7x / 1.5x / 1.18x / 1.12x the useful work at 512 / 1k / 2k / 4k (128 rows: 1.25x / 1.12x /
-/// 1.06x / 1.03x). Same-call A/B on the H100 (session 3, docs/perf.md): 128 rows +13 % / +16 % /
-/// +1 % / -2 % at 512 / 1k / 2k / 4k. On today's kernel the 192-row tile wins 2k: +2.5 % in the
-/// same call (session 11, call B, bf16, two runs each), so on full grids 128 rows keep <= 1k.
-/// Two Q buffers: 512 +2.2 %, 1k within 0.3 % (session 28).
+/// 1.06x / 1.03x). Same-call A/B on the H100: 128 rows +13 % / +16 % /
+/// +1 % / -2 % at 512 / 1k / 2k / 4k. On the later kernel the 192-row tile wins 2k: +2.5 % in the
+/// same call (bf16, two runs each), so on full grids 128 rows keep <= 1k.
+/// Two Q buffers: 512 +2.2 %, 1k within 0.3 %. docs/decisions.md#sm90-tile-shapes.
 const fn sm90_d64_causal_short(dtype: KDType) -> Variant {
     q2(sm90_tile(dtype, 64, KMask::Causal, SM90_SMALL_BLOCK_M, 128, u32::MAX))
 }
@@ -473,7 +474,7 @@ const fn sm90_d64_causal_short(dtype: KDType) -> Variant {
 /// Wider key tiles halve the per-key softmax bookkeeping; 160 keys still leave room for the
 /// separate O staging buffer (225 KB) and waste 1.5 % on the ragged last tile at 2k / 4k (176
 /// keys, FA3's choice: no O buffer, 3 % at 2k). Same-binary A/B in the fa3 grid on the H100,
-/// 160 / 176 against 128 (session 5, call 8, bf16, two runs each): 512 -11 / -11 %, 1k -5 / -7 %,
+/// 160 / 176 against 128 (bf16, two runs each; docs/decisions.md#sm90-tile-shapes): 512 -11 / -11 %, 1k -5 / -7 %,
 /// 2k +2 / -1 %, 4k -1 / -2 %, 8k +2 / +3 %, 16k +4 / +4 %; after 2 s of heat, 2k +1.5 / -2 %
 /// and 16k +3 / +2 %.
 const fn sm90_d128_short(dtype: KDType) -> Variant {
@@ -482,7 +483,7 @@ const fn sm90_d128_short(dtype: KDType) -> Variant {
 
 /// d256 up to 2k query rows: 64-key tiles; longer problems take 128x80 (`sm90`). 80 keys leave a
 /// ragged last tile at 512 (7 x 80 for 512 keys) and, causal, compute more of the diagonal. Same
-/// binary A/B on the H100 (session 6, call G, bf16, two runs each, FLASHCORE_SKIP_VARIANTS):
+/// binary A/B on the H100 (bf16, two runs each, FLASHCORE_SKIP_VARIANTS; docs/decisions.md#sm90-tile-shapes):
 /// non-causal +2.7 / +2.5 % at 512, +0.3 / +0.9 % at 1k, +2.0 / +0.9 % at 2k; causal +3.7 / +3.2 %,
 /// -1.3 / -0.8 %, +3.0 / +3.1 %.
 const fn sm90_d256_short(dtype: KDType, mask: KMask) -> Variant {

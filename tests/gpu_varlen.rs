@@ -1096,9 +1096,9 @@ fn decode_grids_capped_per_sm() -> Result<()> {
 /// runs every host thread on its own per-thread default stream (one handle,
 /// `CU_STREAM_PER_THREAD`, a different stream per thread), so the threads' kernels run at the
 /// same time. flashcore's scratch (split-KV partials, the LSE nobody returns, the sm90 tile
-/// counter) must then be per thread: it was keyed by the stream handle alone until session 21,
-/// so the threads overwrote each other's partials and whole sequences came out wrong in every
-/// run on the H100/H200 (docs/perf.md, "Concurrent decodes"). Each thread's problem (its own
+/// counter) must then be per thread: when it was keyed by the stream handle alone,
+/// the threads overwrote each other's partials and whole sequences came out wrong in every
+/// run on the H100/H200 (docs/decisions.md#per-thread-scratch). Each thread's problem (its own
 /// lengths, page size and head dim, so different split counts and scratch sizes) is first
 /// checked against the CPU reference alone; then four threads repeat their calls, with and
 /// without the LSE, and every output must equal the checked one bit for bit (the kernels are

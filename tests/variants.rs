@@ -85,7 +85,7 @@ fn every_class_serves_every_seq_len() {
     assert_eq!((short.block_m, long.block_m), (128, 192));
     for dtype in [KDType::Bf16, KDType::F16] {
         // d64 non-causal: four consumer warpgroups on 256x64 with a 4-deep K/V ring up to 1k
-        // query rows, three on 192x128 above (docs/perf.md, session 7).
+        // query rows, three on 192x128 above (docs/decisions.md#d64-four-warpgroups).
         let class = ("sm90", KKind::Fwd, dtype, 64, KMask::None);
         let short = pick_sq(class, SMEM_SM90, 1024).unwrap();
         let long = pick_sq(class, SMEM_SM90, 1025).unwrap();
@@ -251,8 +251,8 @@ fn larger_tiles_are_preferred_where_they_fit() {
 
 #[test]
 fn sm80_d128_tiles_per_mask() {
-    // Non-causal 128x48 (80 KB: fits sm_86/89 too), causal 128x32, local 64x64 (docs/perf.md,
-    // session 5); one choice on every smem budget.
+    // Non-causal 128x48 (80 KB: fits sm_86/89 too), causal 128x32, local 64x64
+    // (docs/decisions.md#sm80-tiles); one choice on every smem budget.
     for smem in [SMEM_SM86, SMEM_SM80, SMEM_SM90] {
         for dtype in [KDType::Bf16, KDType::F16] {
             let tile = |mask| {

@@ -45,7 +45,7 @@ __device__ __forceinline__ SeqRange seq_range(const FcParams& p, int bi) {
 
 // Sequence bi's number of keys, as seq_range(p, bi).sk, without the query side's loads (the
 // decode's balanced_tps runs where registers are short). seq_range keeps its own copy: built on
-// this one, the sm80 family's SASS changed (session 22).
+// this one, the sm80 family's SASS changed.
 __device__ __forceinline__ int keys_of(const FcParams& p, int bi) {
     int sk = p.sk;
     if (p.cu_seqlens_k != nullptr) {

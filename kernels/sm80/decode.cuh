@@ -181,7 +181,7 @@ __device__ __forceinline__ int clampi(int x, int lo, int hi) { return x < lo ? l
 // kernels the search made d64 spill 8 B on sm_86/89). The host sizes the grid by the longest
 // sequence (p.sk), so even splits of that width leave a batch of unequal lengths with most CTAs
 // short and a few long: 8 sequences of 1k..32k keys read 1.6 TB/s where the same keys in equal
-// lengths read 2.6 (H100, session 22). Instead every CTA of the launch computes the same tiles
+// lengths read 2.6 (H100; decisions.md#balanced-decode-splits). Instead every CTA of the launch computes the same tiles
 // per split: the smallest `tps` for which the batch's splits, the sum over sequences of
 // ceil(tiles_i / tps), number at most p.split_budget (the host's even-split CTA count per K/V
 // head, b * even, and a slack of b / 2, below one split per sequence so that equal lengths keep
@@ -245,7 +245,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     // splits come first and a split grid with empty splits (short sequences, balanced splits)
     // puts its working CTAs one per SM before the empty ones, not two on one SM and none on the
     // next (equal lengths under balanced splits: b8 x 32k at pages of 64 +2.6 % with the split
-    // fastest, session 22).
+    // fastest).
     int bid = blockIdx.x;
     const int rb = bid % row_blocks;
     bid /= row_blocks;
@@ -265,7 +265,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     // 32 consecutive page ids of its sequence from the split's first page on (lane l: page
     // base + l), clamped into the pool, and reads the next 32 ahead (base + 32 + l); when its
     // tiles pass base + 32 those take over and the next 32 are read, ~32 pages before use.
-    // (Session 15's lookup one tile ahead still stalled: a page-table read issued behind a
+    // (A lookup one tile ahead still stalled: a page-table read issued behind a
     // tile's copies returns after them when DRAM is saturated, and b8 ran 0.94-0.95x the
     // contiguous cache.) The first read does not wait for the sequence length (`fixed_splits`).
     // Windowed kernels take the per-row path (with these registers d128 spilled 36-48 B).
@@ -274,7 +274,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     // rows [w * BN / W, (w + 1) * BN / W) of the tile, which lie in one page, so the warp looks
     // up one page per tile instead of one per row (the per-row path's shuffles and 64-bit
     // address arithmetic per row pass; b64 x 4k at pages of 16 ran 0.945x the contiguous cache
-    // on the H200 that way, session 21).
+    // on the H200 that way; decisions.md#paged-decode-page-reads).
     constexpr int RW = BN / W;  // a warp's rows of a tile when they are dealt out by warp
     const bool whole_pages = fixed_splits && p.page_size % RW == 0;
     const bool warp_rows = p.page_size % BN != 0;
@@ -464,7 +464,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             const T* kp = kg + ko + ch * 8;
             const T* vp = vg + vo + ch * 8;
             // the rows' copies, with the step between a thread's rows a compile-time constant
-            // (as a runtime value it cost pages of 64 0.5-1 %, session 21)
+            // (as a runtime value it cost pages of 64 0.5-1 %)
             auto copy_rows = [&](auto step_c, int rf) {
                 constexpr int STEP = decltype(step_c)::value;
                 const T* kpi = kp;
@@ -895,7 +895,7 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
 // ---------------------------------------------------------------- host heuristic
 // num_splits for the split kernel (pure function; port to Rust as is).
 //   block_m / block_n: the variant's BLOCK_M / BLOCK_N; sm_count: multiprocessor count.
-// Model (measured on H100, see the report / docs/perf.md): the kernel is memory-bound; a grid of
+// Model (measured on H100, docs/decisions.md#split-kv-decode): the kernel is memory-bound; a grid of
 // about ONE CTA per SM, each streaming a long key range with its cp.async ring, beat grids sized
 // to the full occupancy (2 CTAs/SM) by 2-4 % at b=1 and b=8, and extra waves cost a tail. So:
 // pick the smallest split count whose wave efficiency ctas / (ceil(ctas / sm_count) * sm_count)

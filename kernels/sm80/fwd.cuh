@@ -136,7 +136,7 @@ __device__ __forceinline__ int narrow_ksteps(int dch) {
 // Async copy of a [NROWS][D] tile starting at global row pointer g (row stride in elements);
 // rows >= valid are zero-filled. ONE_REM: test rows against one remainder register (valid - r0)
 // instead of a row index per pass: for kernels whose key loop has no registers to spare (the
-// warp pairs); on the d64 128x64 tile it measured 1.4-2.7 % slower (session 4, call D).
+// warp pairs); on the d64 128x64 tile it measured 1.4-2.7 % slower (decisions.md#sm80-d256-warp-pairs).
 // Columns from dch 16-byte chunks on (a head dim below D) are zero-filled up to chunk dz (the
 // end of the last 16-column k-step a narrow body computes); chunks from dz on are not written.
 template <int NROWS, int D, int NTHREADS, bool ONE_REM = false, typename T>
@@ -179,8 +179,8 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //     tile that rescale O run only when some row of the warp raised its max (warp-uniform
 //     branch). l, O and LSE all use the same (possibly stale) max, so the result is unchanged.
 //   (A software-pipelined schedule, next tile's Q.K^T beside the current softmax, was tried and
-//   dropped: it needs a second S tile, spills at 255 registers and measured 0-4% slower; the
-//   dev harness of session 2 in docs/perf.md.)
+//   dropped: it needs a second S tile, spills at 255 registers and measured 0-4% slower in the
+//   dev harness; docs/decisions.md#sm80-tiles.)
 //   FWD_XADDR: swizzled ldmatrix addresses as lane_base ^ (j << 5) (+ immediates) instead of four
 //     precomputed chunk offsets per operand, recomputed per tile from one laundered register:
 //     ~9 fewer registers live across the key loop, +1 LOP3 per ldmatrix address.
@@ -189,19 +189,19 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //   FWD_LEAN: fewer registers live across the key loop, for tiles at the 255-register limit
 //     (d128 128x48 on sm_80/86/89): K/V tile pointers and the thread index recomputed from %ctaid / %tid where
 //     they are used, one remainder register for load_tile's row test (STAGES 2). Costs 2-5 %
-//     on the H100 (session 5), so it is used only where the tile would spill without it.
+//     on the H100 (decisions.md#sm80-tiles), so it is used only where the tile would spill without it.
 //   FWD_GEN: the general body: softcap (p.softcap > 0), ALiBi (p.alibi_slopes), packed
 //     variable-length batches (p.cu_seqlens_q/k, fc::seq_range) and head dims below D (p.d < D:
 //     zero-filled columns), each behind a runtime test. Kernels hold the plain body (dense, d = D,
-//     no score modifier: its SASS is that of session 12) and the general one and pick one per
+//     no score modifier: its SASS is that of the kernel before FWD_GEN) and the general one and pick one per
 //     launch (fwd_has_cap_body): a runtime branch per key tile inside one body cost the sm80
-//     forward 1 % without softcap (H100, sm_90 SASS, session 12), and the sequence ranges in
-//     registers made the d128 128x48 tile spill 32 B on sm_90 (session 13).
+//     forward 1 % without softcap (H100, sm_90 SASS), and the sequence ranges in
+//     registers made the d128 128x48 tile spill 32 B on sm_90 (decisions.md#softcap-and-alibi-bodies).
 //   FWD_NARROW (with FWD_GEN): the general body for heads at most 3/4 of D wide, 1/2 of the d64
 //     kernel's (fwd_narrow): Q.K^T and P.V skip the 16-column steps past p.d (narrow_ksteps). A
 //     third body, not a runtime bound inside the general one: there the per-step branches cost
-//     full-width varlen d128 12 % and softcap d128 5 % (H100, sm_90 SASS, session 18, call N1),
-//     and predicating the tail steps instead cost every general launch 25-40 % (call N2). The
+//     full-width varlen d128 12 % and softcap d128 5 % (H100, sm_90 SASS),
+//     and predicating the tail steps instead cost every general launch 25-40 % (decisions.md#sm80-narrow-bodies). The
 //     third body adds ~17 % to the sm80 family's compile time (127 -> 148 CPU-s here).
 enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16, FWD_GEN = 32, FWD_NARROW = 64 };
 
@@ -808,7 +808,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
 // warp owns 16 full rows, at the same MMA count and half the O registers per row.
 // Registers: O (MT*ND*4 = 128) and S (MT*NS*4 = 64 at BN 128) leave none to spare, so the
 // Q.K^T k16 loop and the partner-half P.V loop stay rolled (unrolled, ptxas hoists the next
-// steps' ldmatrix loads and spills 20-50 B; session 4 measured rolled within 2 % of unrolled
+// steps' ldmatrix loads and spills 20-50 B; rolled measured within 2 % of unrolled
 // and spill-free on sm_80 and sm_90), the row sums live in smem and the K/V/O pointers are
 // recomputed where they are used.
 // Schedule as STAGES 1 of fwd_body (V load beside Q.K^T, next K load beside softmax and P.V);
@@ -1031,12 +1031,12 @@ __host__ __device__ constexpr bool fwd_pre_hopper_target() {
 // OPT used by FC_SM80_FWD (the variant table's macro) for a tile shape. Ship a measured winner by
 // returning its bits here, e.g. `return (D == 128 && BM == 128 && BN == 32) ? FWD_LAZY : 0;`.
 __host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WARPS, int STAGES) {
-    // Measured on the H100 (sm_90 SASS, bf16, fa3 grid; docs/perf.md, session 2):
+    // Measured on the H100 (sm_90 SASS, bf16, fa3 grid; docs/decisions.md#sm80-tiles):
     //   d64 / d128 (4 warps): lazy rescale + XOR ldmatrix addressing, +5-10% over the plain
     //   schedule (d128 0.94-0.98x -> 1.04-1.07x FA2);
     //   d256 (8 warps, one m16 tile per warp): the lazy rescale costs 5-7%, XOR addressing is
     //   neutral: plain schedule.
-    // d128 128x48 (session 5): spill-free on sm_90 as is; ptxas for sm_80/86/89 spills 8 B, so
+    // d128 128x48: spill-free on sm_90 as is; ptxas for sm_80/86/89 spills 8 B, so
     // those targets (and the PTX) also take FWD_LEAN (0 spills; on the H100 2 % slower than
     // without, still 2 % faster than 128x32 under sustained load).
     return D == 256 ? 0
@@ -1050,7 +1050,7 @@ __device__ __forceinline__ bool fwd_general(const FcParams& p, int D) {
            p.cu_seqlens_k != nullptr || p.seqused_k != nullptr || p.d != D;
 }
 // Whether a kernel holds a softcap body (FWD_GEN) beside its plain one. Not the d128 128x48 tile:
-// beside a softcap body its plain body ran 2.5-4.7 % slower (H100, session 12), so softcap d128
+// beside a softcap body its plain body ran 2.5-4.7 % slower (H100), so softcap d128
 // without a mask takes the `_cap` twin of 128x32 (kernels/variants.rs `has_cap_body` mirrors this).
 __host__ __device__ constexpr bool fwd_has_cap_body(int D, int BN) { return !(D == 128 && BN == 48); }
 // Whether a kernel with a general body also holds a narrow one (FWD_NARROW): not the sliding
@@ -1061,8 +1061,8 @@ __host__ __device__ constexpr bool fwd_has_narrow_body(int D, int MASK, int STAG
 }
 // Whether a general launch takes the narrow body: the head leaves at least a quarter of the
 // kernel's 16-column steps unused (half of the d64 kernel's, which is less MMA-bound). H100,
-// forced sm80, bf16, fa3 grid, time of the general body ÷ the narrow one (session 18, calls N3
-// and N4): d80 / d96 on d128 1.160 / 1.048, d160 / d192 on d256 1.223 / 1.058, d32 on d64 1.080;
+// forced sm80, bf16, fa3 grid, time of the general body ÷ the narrow one
+// (decisions.md#sm80-narrow-bodies): d80 / d96 on d128 1.160 / 1.048, d160 / d192 on d256 1.223 / 1.058, d32 on d64 1.080;
 // d112 (one step of eight saved) 0.935 and d48 on d64 0.898: the branches cost more than the
 // steps they save.
 __device__ __forceinline__ bool fwd_narrow(const FcParams& p, int D) {

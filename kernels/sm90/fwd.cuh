@@ -179,14 +179,14 @@ struct FwdSm90 {
     // setmaxnreg split. setmaxnreg.inc blocks until the CTA's register pool (what the launch
     // allocated: NTHREADS x the per-thread budget of __launch_bounds__(NTHREADS, 1), a multiple
     // of 8) has the registers, so the split must fit that pool, not the SM's 64K: with four
-    // consumer warpgroups the pool is 640 x 96, and 112 / 56 hung (session 6, call J).
+    // consumer warpgroups the pool is 640 x 96, and 112 / 56 hung (decisions.md#sm90-register-split).
     // Causal tiles are unequal: dynamic schedule (p.tile_counter) for d64/d128 and for d256 with
     // 64-key tiles (`sm90_d256_short`; the 80-key tile spills at 232 consumer registers). No mask:
     // static (any grid). Host side: src/cuda/mod.rs `sm90_dynamic`.
     static constexpr bool DYN = CAUSAL && (D <= 128 || BN == 64);
     // d64, and d256 on the dynamic schedule, with two consumer warpgroups: the producer (TMA thread
     // + tile scheduler) spills at 24 registers, 40 then, and 232 for the consumers.
-    // Since session 13 the dynamic schedule's threads carry each tile's sequence range (varlen):
+    // The dynamic schedule's threads carry each tile's sequence range (varlen):
     // at 24 registers the d128 causal producer spilled 32 B, so every DYN kernel takes 40.
     static constexpr bool PROD40 = D == 64 || DYN;
     static constexpr int PROD_REGS = NC == 2 ? (PROD40 ? 40 : 24) : 32;
@@ -213,29 +213,29 @@ struct FwdSm90 {
     // RESCALE_LOG2 in exp2 units (P <= 2^8 = 256 then: exact in f32, the same relative rounding in
     // bf16/fp16, and O, l and the LSE all use the same reference). O is rescaled only when some
     // row of the warp moved its reference (a warp vote), not after every key tile: +2.2 % over the
-    // fa3 grid (H100, session 6, docs/perf.md).
+    // fa3 grid (H100, docs/decisions.md#lazy-rescale).
     static constexpr float RESCALE_LOG2 = 8.f;  // = fc::LAZY_RESCALE_LOG2
     // Fast softmax (no row max, see softmax_gen) on the key tiles after the first ones: no mask
-    // only. Same-binary A/B on the H100 (session 9, call E, bf16, two runs each): d64 +7.5-11 %,
-    // d128 +0.1-2.2 %, d256 +0-1 %. On causal tiles too it lost 3-7 % at d64 and d128 1k-4k (calls
-    // E and H), and still 0-3 % with K freed by one thread per warpgroup and the P = inf scores
-    // recomputed from global memory (session 10, call A; that recompute itself cost d64 non-causal
-    // 1.4-4.3 % through register pressure in the key loop): docs/perf.md, "Session 9" and "Session 10".
+    // only. Same-binary A/B on the H100 (bf16, two runs each): d64 +7.5-11 %,
+    // d128 +0.1-2.2 %, d256 +0-1 %. On causal tiles too it lost 3-7 % at d64 and d128 1k-4k,
+    // and still 0-3 % with K freed by one thread per warpgroup and the P = inf scores
+    // recomputed from global memory (that recompute itself cost d64 non-causal 1.4-4.3 %
+    // through register pressure in the key loop): docs/decisions.md#fast-softmax-without-a-mask.
     static constexpr bool FAST = !CAUSAL;
     // Causal 128-row tiles up to d128 (two consumer warpgroups): the exact softmax also finishes
-    // the P V in flight (`softmax_pv`, FA3's order). Same-binary A/B on the H100 (session 29,
-    // docs/perf.md): d64 causal 512 / 1k +1.8-3.5 %, d128 causal +0-2 %, LLaMA prefill +1.8 %;
+    // the P V in flight (`softmax_pv`, FA3's order). Same-binary A/B on the H100
+    // (docs/decisions.md#spv-softmax-pv): d64 causal 512 / 1k +1.8-3.5 %, d128 causal +0-2 %, LLaMA prefill +1.8 %;
     // the d64 192x128 causal tile ran 1.6-2.2 % slower at 8k / 16k with it, so it keeps the old
     // order.
     static constexpr bool SPV = CAUSAL && NC == 2 && D <= 128;
     // Causal tiles up to d128 (SPV's and the d64 192x128 one): the mask test is one per-tile
     // threshold (`n_mask`), and each row's sum of exponentials is two partial sums (even and odd
     // elements), which halves the serial FADD chain that follows the exponentials. Same-binary
-    // A/B on the H100 (session 30, docs/perf.md): d64 192x128 causal 2k-16k +1.2-2.0 %
+    // A/B on the H100 (docs/decisions.md#two-row-sum-chains): d64 192x128 causal 2k-16k +1.2-2.0 %
     // (the threshold alone +0.7-1.7 %), two sums on the SPV tiles d64 512 / 1k +1.0-1.1 %, LLaMA
     // prefill +1.0 %, d128 causal -0.4 to +1.0 %. d256 causal lost 1.3-1.9 % at 1k / 2k with the
-    // threshold (session 29) and gained nothing from two sums; non-causal tiles lost 1-2 % at
-    // d64 with two sums (session 30), so those keep one.
+    // threshold and gained nothing from two sums; non-causal tiles lost 1-2 % at
+    // d64 with two sums, so those keep one.
     static constexpr bool CAUSAL_SHORT = CAUSAL && D <= 128;
     // Causal tiles whose first warpgroup can see none of the query tile's last key tile (see
     // `SKIP1` in run()): the causal tiles without SPV.
@@ -258,7 +258,8 @@ struct FwdSm90 {
     // fit in ~24 MB of L2; a smaller remainder group goes first so the last group is a full one. The
     // h_ratio query heads of a K/V head are adjacent and share its K/V, so a group holds h_ratio times
     // as many query heads as K/V heads fit (as FA3's LPT scheduler): LLaMA-3-8B prefill (32/8 heads,
-    // causal) took 3 groups at 4k instead of 1, +5 % at 4k and +9 % at 2k (H100, session 22).
+    // causal) took 3 groups at 4k instead of 1, +5 % at 4k and +9 % at 2k (H100;
+    // docs/decisions.md#l2-group-budget).
     __device__ static __forceinline__ void decode_tile(const FcParams& p, int num_m, int lin, int& m_block, int& h,
                                                        int& bi) {
         int bh;
@@ -569,7 +570,7 @@ struct FwdSm90 {
         // lane (a shuffle from lane 0): from threadIdx it is per-thread to ptxas, and so is every
         // wgmma descriptor built from it (the Q slice), which then costs each wgmma of the key
         // loop an R2UR pair and its address arithmetic (d256 causal 128x64: 589 -> 550
-        // instructions per key tile). Same binary on the H100 (session 31, docs/perf.md): causal
+        // instructions per key tile). Same binary on the H100 (decisions.md#warp-uniform-warpgroup-index): causal
         // +0.5-1.8 %, LLaMA prefill +1.4 %; but d64 / d128 non-causal 8k -3.3 / -2.1 % and the d256
         // non-causal 128x80 tile spills 20 B with it, so those keep the per-thread value.
         const int c = CAUSAL ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
@@ -660,7 +661,7 @@ struct FwdSm90 {
             // holds from sk / BN on, the second from (m_block * BM + sk - sq + 1) / BN on, which is
             // <= 0 when every tile does). Computed once per tile: re-reading sq and sk from the
             // slot in every key tile put two shared loads and a uniform chain before each softmax
-            // (session 29).
+            // (docs/decisions.md#mask-threshold).
             const int n_mask = CAUSAL_SHORT ? min(sk_of() / BN, (m_block * BM + sk_of() - sq_of() + 1) / BN) : 0;
             auto need_mask = [&](int n) {
                 if (CAUSAL_SHORT) return n >= n_mask;
@@ -672,7 +673,7 @@ struct FwdSm90 {
                     // Keys col < lim[r] are visible to row r (col < sk and, causal, col <= row + sk - sq):
                     // one compare against a constant column offset and one select per element (the
                     // per-element column/row arithmetic cost 3-4 instructions: +1.2-1.4 % at d64
-                    // causal 512 / 1k, H100, session 8, call B).
+                    // causal 512 / 1k, H100; docs/decisions.md#mask-threshold).
                     const int col0 = n * BN + 2 * tq;
                     int lim[2];
 #pragma unroll
@@ -706,8 +707,7 @@ struct FwdSm90 {
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
                     // The rule of fc::lazy_rescale (common/softmax.cuh, the sm80 kernels), written
-                    // out: through the helper this kernel ran 1.6 % slower at d128 (session 6, call
-                    // K). The first visible key sets the reference (O = 0 and l = 0 until then:
+                    // out: through the helper this kernel ran 1.6 % slower at d128. The first visible key sets the reference (O = 0 and l = 0 until then:
                     // alpha 1); later only a growth past the threshold moves it. Needs a scale > 0
                     // (the dispatcher refuses others).
                     const bool first = m_r[r] == -INFINITY;
@@ -836,12 +836,12 @@ struct FwdSm90 {
             // is in flight; free its V stage), rescale O, then the other exponentials with P packed
             // as they come. The rescale and the packing then fill the SFU's gaps instead of standing
             // between the softmax and the next Q K^T (there they sat after the ping-pong barrier:
-            // session 29, ncu against FA4). No finish_pv then.
+            // ncu against FA4, docs/decisions.md#spv-softmax-pv). No finish_pv then.
             auto softmax_pv = [&](int n, float (&alpha)[2], bool pv) {
                 row_max(n, alpha, Int<BN / 2>{});
                 float mu[2], ps[2][2] = {};
                 ref_mu(mu);
-                // exponentials before the wait: BN / 16 against BN / 8, same binary (H100, session 30):
+                // exponentials before the wait: BN / 16 against BN / 8, same binary (H100):
                 // d64 / d128 causal 512-8k and LLaMA prefill +0.5-1.3 %, d128 16k -1.2 to +0.3 %;
                 // BN / 4 ran 0.5-2.7 % slower
                 constexpr int X = BN / 16;
@@ -860,10 +860,11 @@ struct FwdSm90 {
                 add_l(alpha, ps);
             };
             // Q K^T over the DV columns in use (a narrow twin: the columns past p.d <= DV are zeros,
-            // filled by TMA). The narrow-Q K^T twins of session 16 ran ceil(d / 16) k-steps in a
+            // filled by TMA). Earlier narrow-Q K^T twins ran ceil(d / 16) k-steps in a
             // loop bounded by the parameter block (d80 +3-11 %, d160 +1-16 %); the loop in the
-            // full-width kernels themselves cost d128 2-5 % (calls I2 and J), and a branch around
-            // single unrolled wgmmas makes ptxas serialise them (C7515): hence compile-time twins.
+            // full-width kernels themselves cost d128 2-5 %, and a branch around single unrolled
+            // wgmmas makes ptxas serialise them (C7515): hence compile-time twins
+            // (docs/decisions.md#narrow-twins).
             auto issue_qk = [&](int stage) {
                 const uint64_t dks = desc_add(dk, stage * KV_BYTES);
 #pragma unroll
@@ -895,8 +896,8 @@ struct FwdSm90 {
             // decided on values read from shared memory it would be divergent to ptxas, which
             // then builds the whole key loop for divergent warps (the stage and phase it advances
             // no longer uniform: 24 more R2UR / IMAD per iteration, WARPSYNC around the wgmmas)
-            // and the kernel ran 6-10 % slower. Same-binary A/B on the H100 (session 31,
-            // docs/perf.md): d256 causal 512-8k +0.9-2.7 %, d64 causal 2k +3.5 %.
+            // and the kernel ran 6-10 % slower. Same-binary A/B on the H100
+            // (docs/decisions.md#skip1-and-half-votes): d256 causal 512-8k +0.9-2.7 %, d64 causal 2k +3.5 %.
             if (SKIP1 && __any_sync(0xffffffffu, hi - lo >= 2 && wg_key_end() <= (hi - 1) * BN)) {
                 mbar_wait(full_k(ks.stage), ks.phase);
                 if (t128 == 0) mbar_arrive(empty_k(ks.stage));
@@ -915,7 +916,7 @@ struct FwdSm90 {
             // tile): its row max, exponentials and sums run over those BN / 2 keys, and its P is
             // zero in the other half. The Q K^T stays whole (a second Q K^T shape in the kernel
             // made ptxas serialise the wgmmas: C7511, C7520). A warp vote, as SKIP1. Same-binary
-            // A/B on the H100 (session 31, docs/perf.md): d64 causal 512 / 1k +2.0 / +3.1 % with
+            // A/B on the H100 (decisions.md#skip1-and-half-votes): d64 causal 512 / 1k +2.0 / +3.1 % with
             // a divergent branch, then +2.0 / +3.8 % more with the vote; the 192x128 tile 2k / 8k
             // +1.1 / +0.8 % over SKIP1 alone; on the d128 tiles -1 to +1.6 %, so not there.
             const bool half = HALF && __any_sync(0xffffffffu, wg_key_end() <= (hi - 1) * BN + BN / 2);
@@ -1017,7 +1018,7 @@ struct FwdSm90 {
                 if (FAST) {
                     // free the K stage now, or after fix_tile in the next finish_pv
                     // d64: a specialised copy for each case (one runtime-flagged body: -0.2 to -3.3 %
-                    // at d64, -0.3 to +3.4 % at d128 non-causal; session 9, call H)
+                    // at d64, -0.3 to +3.4 % at d128 non-causal)
                     if (D == 64)
                         fix = fast_ok(n) ? softmax_gen(n, alpha, false) : softmax_gen(n, alpha, true);
                     else
@@ -1146,17 +1147,17 @@ struct FwdSm90 {
             }
             // One thread stores the slice with TMA (rows >= sq fall outside the map, so they are not
             // written): against 16-byte stores from every thread +0.8 % over the fa3 grid, +1.5-3 %
-            // at d64/d128 up to 1k (H100, session 7, call G).
+            // at d64/d128 up to 1k (H100; docs/decisions.md#o-through-a-tma-store).
             if (p.cu_seqlens_q != nullptr) {
                 // Varlen (a uniform branch: the dense path stays as it was). A slice that lies inside
                 // its sequence takes the TMA store at its packed row (batch coordinate 0); the slice
                 // holding the sequence's last rows takes 16-byte stores of its rows (a TMA box past
                 // the sequence's end would write the next sequence's rows). Neither choice branches
                 // around a barrier: a divergent path holding one serialises every wgmma of the
-                // kernel (ptxas C7520, 25-40 % slower: session 15, call V).
+                // kernel (ptxas C7520, 25-40 % slower: docs/decisions.md#wgmma-serialisation-warnings).
                 const int srow = m_block * BM + c * 64;
                 // Not the 256-row d64 kernel (its 4 consumer warpgroups spill 8 B with the TMA store)
-                // nor d256 (1.2-2.7 % slower than the 16-byte stores: session 16, call A).
+                // nor d256 (1.2-2.7 % slower than the 16-byte stores).
                 const bool tail = BM > 192 || D > 128 || srow + 64 > sqv;
                 fence_proxy_async_smem();
                 named_sync(BAR_EPI + c, 128);

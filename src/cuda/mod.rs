@@ -337,9 +337,9 @@ fn skipped(v: &Variant) -> bool {
 /// Whether a causal sm90 problem with `m_blocks` query blocks takes the dynamic tile schedule
 /// (a tile counter and a persistent grid; the kernel side is `DYN` in kernels/sm90/fwd.cuh:
 /// causal d64/d128, and d256 with 64-key tiles). d64/d128 up to 32 query blocks: +1-16 % at
-/// 512-2k, +2-3 % at 4k, but 2-6 % slower than one CTA per tile at 16k (H100, session 3). d256
-/// up to 8 (1k): +7.4 / +8.3 % at 512 / 1k, but -9 % at 2k (session 7, call H), which keeps one
-/// CTA per tile. docs/perf.md has the tables.
+/// 512-2k, +2-3 % at 4k, but 2-6 % slower than one CTA per tile at 16k (H100). d256
+/// up to 8 (1k): +7.4 / +8.3 % at 512 / 1k, but -9 % at 2k, which keeps one
+/// CTA per tile. docs/decisions.md#sm90-dynamic-causal-schedule has the tables.
 fn sm90_dynamic(v: &Variant, mask: Mask, m_blocks: usize) -> bool {
     if mask == Mask::None {
         return false;
@@ -351,7 +351,7 @@ fn sm90_dynamic(v: &Variant, mask: Mask, m_blocks: usize) -> bool {
     }
 }
 
-/// `FLASHCORE_SM90_CAUSAL=static`: causal sm90 problems take session 2's grids (no tile
+/// `FLASHCORE_SM90_CAUSAL=static`: causal sm90 problems take the static grids (no tile
 /// counter) instead of the dynamic schedule. Read once.
 fn causal_static() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -380,10 +380,10 @@ fn smem_budget(info: &DeviceInfo) -> Result<u32> {
 /// kernel splits the keys over the SMs and pays for its packed 64-row blocks (`h_ratio * seq_q`
 /// rows per K/V head and sequence) at mma.sync rates, about 9 us per block at 32k keys: it wins
 /// with up to 16 blocks from 4k keys, at head dims up to 128 (d256 packs 32-row blocks).
-/// bf16, CUDA events after an L2 flush, us, 32/8 heads d128 causal unless noted. H100 (session
-/// 26), prefill in one CTA per tile -> decode: seq_q 17 over 32k 364-367 -> 148; 32 over 32k 365
-/// -> 148 (pages of 64: 370 -> 154); 32 over 8k 99.4 -> 51.2; 32 over 4k 54.5 -> 35.1. H200
-/// (session 27), prefill in clusters of two -> decode: 17 or 32 over 32k 197 -> 150, 32 over 8k
+/// bf16, CUDA events after an L2 flush, us, 32/8 heads d128 causal unless noted
+/// (docs/decisions.md#decode-for-few-query-rows). H100, prefill in one CTA per tile -> decode: seq_q 17 over 32k 364-367 -> 148; 32 over 32k 365
+/// -> 148 (pages of 64: 370 -> 154); 32 over 8k 99.4 -> 51.2; 32 over 4k 54.5 -> 35.1. H200,
+/// prefill in clusters of two -> decode: 17 or 32 over 32k 197 -> 150, 32 over 8k
 /// 60.0 -> 51.3, 32 over 4k 37.1 -> 34.7; and where the clusters win (32 blocks): 64 over 32k
 /// 196 -> 285 (MHA 200 -> 287), b2 x 32 over 16k 110 -> 154.
 fn decode_beats_starved_prefill(p: &Problem, sms: usize) -> bool {
@@ -396,7 +396,7 @@ fn decode_beats_starved_prefill(p: &Problem, sms: usize) -> bool {
 /// (`Variant::kv_split`): 2 where the 128-row tiles in clusters of two still fit in one wave on
 /// the SMs and there are at least 16 keys per column of the kernel's head dim (1024 at d64, 2048
 /// at d128: the exchange grows with the width), else 1 (the twins are not chosen). bf16, CUDA
-/// events after an L2 flush (session 27), us, one CTA per tile -> clusters of 2: H100 1 x 4 x
+/// events after an L2 flush (docs/decisions.md#key-split-clusters), us, one CTA per tile -> clusters of 2: H100 1 x 4 x
 /// 2048 x 64 26.8 -> 21.9, d128 31.1-31.4 -> 26.2, 1 x 4 x 1024 x 64 17.7 -> 16.9, 1 x 2 x 4096
 /// x 64 causal 46.7 -> 32.5, 1 x 1 x 8192 x 128 causal 101 -> 61.3, 1 x 32/8 x 256 rows over 32k
 /// keys d128 causal 372 -> 225, 1 x 32/8 x 64 over 4k d128 50.0 -> 35.3; where they lose: 1 x 8
@@ -626,7 +626,7 @@ fn full_occupancy_forced() -> bool {
 /// paged pool's page rows; `sk`: the grid's keys per sequence.
 ///
 /// A decode streams K/V once, and past what hides DRAM latency more loads in flight cost
-/// bandwidth. H100 (3.35 TB/s), bf16, 32/8 heads, contiguous cache (session 24, docs/perf.md):
+/// bandwidth. H100 (3.35 TB/s), bf16, 32/8 heads, contiguous cache (docs/decisions.md#decode-occupancy-cap):
 /// d128 at b64 × 32k 2781 µs with two CTAs per SM (128 KB of K/V in flight per SM), 2728 with
 /// one (64 KB); d64 at b64 × 16k 734 µs with five (160 KB), 703 with two. The cap aims at the
 /// fewest CTAs that keep 64 KB per SM in flight, scaled by the DRAM bandwidth: the H200
@@ -707,10 +707,10 @@ fn decode_grid(p: &Problem, variant: &Variant, info: &DeviceInfo) -> DecodeGrid 
     let (bm, bn) = (variant.block_m as usize, variant.block_n as usize);
     // A paged cache whose pages split a key tile (page_size % block_n != 0: pages of 16 or 32)
     // aims its splits at two CTAs per SM, which hides more of the several pages per tile. H100
-    // bf16, 32/8 heads d128, pages of 16, against the contiguous cache (session 16, call F, splits
-    // doubled, rows then looked up one by one): b8 x 4k/8k/32k 0.91/0.88/0.83 -> 0.95/0.95/0.93,
+    // bf16, 32/8 heads d128, pages of 16, against the contiguous cache (splits doubled, rows then
+    // looked up one by one; docs/decisions.md#split-kv-decode): b8 x 4k/8k/32k 0.91/0.88/0.83 -> 0.95/0.95/0.93,
     // b1 x 8k/32k 0.88/0.89 -> 0.92/0.91; pages of 64 and 256 (one page per tile) gained nothing.
-    // With a page per warp and tile (session 21, H200) one CTA per SM still loses at b1 and b8:
+    // With a page per warp and tile (H200) one CTA per SM still loses at b1 and b8:
     // b8 x 8k / 32k 0.980 / 1.001 with two, 0.914 / 0.904 with one.
     let page_size = match p.keys {
         Keys::Paged { page_size, .. } => Some(page_size),
@@ -723,7 +723,7 @@ fn decode_grid(p: &Problem, variant: &Variant, info: &DeviceInfo) -> DecodeGrid 
     // the GPU): the split kernel balances its splits over them (`balanced_tps` in
     // kernels/sm80/decode.cuh), on a grid of up to twice the even split count per sequence
     // (the longest sequence's splits; a short one leaves its extra splits empty). H100, bf16,
-    // 32/8 heads d128, pages of 64, against even splits (session 22, docs/perf.md): 8 sequences
+    // 32/8 heads d128, pages of 64, against even splits (docs/decisions.md#balanced-decode-splits): 8 sequences
     // of 1k..32k keys 234 -> 167 us, 16 of 128..32k 556 -> 438, 32 of 128..8k 198 -> 170; equal
     // lengths lose 1-3 % (the empty splits), 32 of them 5 % (a combine where none ran).
     let splits = balanced_splits(p, variant, even, small_pages);
@@ -754,7 +754,7 @@ fn decode_cluster_off() -> bool {
 /// block count on sm_90, else 1 (no cluster). The grid's consecutive blocks are the K/V heads of
 /// one sequence, so a cluster pairs two heads that read the same cache rows (the same pages of a
 /// paged pool) and runs them together on one GPC. H100, bf16, L2 flushed, µs, clusters of 2
-/// against none (session 25, docs/perf.md): d128 32/8 b64 × 32k pages of 64 2802.2–2810.5
+/// against none (docs/decisions.md#decode-clusters): d128 32/8 b64 × 32k pages of 64 2802.2–2810.5
 /// against 2812.5–2821.1 (FA4's paged decode 2808.7–2816.5 in the same calls), pages of 256 and
 /// the contiguous cache within ±0.2 %; d64 b64 × 16k 703 → 699 (pages of 256 718.7 → 715.7); d256 16/4 b64 × 16k
 /// 1410 → 1398 (pages of 64 1428.6 → 1412.4). Clusters of 4 or 8 ran 2–20 % slower (the GPC's
@@ -852,7 +852,7 @@ fn decode(
         return Ok(false);
     }
     // A packed or paged batch's combine checks the tables itself (one check kernel launch less:
-    // 1-2 us of a b1 / b8 decode on the H200, docs/perf.md session 21), for batches whose
+    // 1-2 us of a b1 / b8 decode on the H200, docs/decisions.md#programmatic-dependent-launch), for batches whose
     // prefix sums one pass of its 256 threads reads.
     let tables = !matches!(p.seqs, Seqs::Dense) || matches!(p.keys, Keys::Paged { .. });
     let checks = tables && p.b <= 256;
@@ -1308,7 +1308,8 @@ struct StreamScratch {
     /// The sm90 dynamic schedule's tile counter: allocated and zeroed on the stream's first
     /// dynamic launch; each launch leaves it at zero again (the CTA that makes the launch's last
     /// draw resets it, kernels/sm90/fwd.cuh), so no launch pays an allocation and a memset for
-    /// a fresh counter (3.8 us of host time per call on the H100 machine's host, session 18),
+    /// a fresh counter (3.8 us of host time per call on the H100 machine's host;
+    /// docs/decisions.md#host-path-per-call),
     /// and a replayed CUDA graph finds it zeroed too.
     counter: Option<CudaSlice<i32>>,
     /// f32 scratch the kernels write and nobody returns: the LSE of a call that does not ask for
@@ -1331,7 +1332,7 @@ struct StreamScratch {
 /// other streams' scratch is keyed by (context, handle) behind a lock. Before, one scratch per
 /// handle was shared by every thread: the kernels of calls made from two threads ran at once on
 /// their two streams and wrote each other's split-KV partials and sm90 tile counter
-/// (tests/gpu_varlen.rs `paged_decode_from_threads`, docs/perf.md session 21).
+/// (tests/gpu_varlen.rs `paged_decode_from_threads`, docs/decisions.md#per-thread-scratch).
 fn with_scratch<R>(
     stream: &std::sync::Arc<cudarc::driver::CudaStream>,
     f: impl FnOnce(&mut StreamScratch) -> R,
