@@ -21,6 +21,17 @@
 //! - `softcap: f32` (or `Option<f32>`) is applied when `> 0.0`, as in FlashAttention 2's
 //!   `if (softcap > 0.0)`; `0.0` (or any value that is not `> 0`) means no softcap.
 //! - ALiBi slopes are f32 `(num_heads_q,)`; flashcore also accepts `(batch, num_heads_q)`.
+//!
+//! ## Rules every function shares
+//! - Dtypes: f16 or bf16 on a GPU; on the CPU also f32 and f64. `q`, `k` and `v` share one dtype
+//!   and one device; the output has `q`'s dtype.
+//! - Grouped-query and multi-query attention: `k` and `v` may have fewer heads than `q`, and the
+//!   query head count must be a multiple of the K/V head count. Query head `h` reads K/V head
+//!   `h / (heads_q / heads_kv)`; nothing is repeated in memory.
+//! - Head dims: any multiple of 8 up to 256, the same for `q`, `k` and `v`.
+//! - Inputs may be strided views as long as the last dimension is contiguous.
+//! - A query row that sees no key (a causal mask with `seqlen_q > seqlen_k`) returns zeros.
+//! - Bad arguments return an error that names the argument, the rule and the value.
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::op::BackpropOp;
@@ -254,19 +265,18 @@ impl candle_core::CustomOp3 for FlashAttn {
     }
 }
 
-/// Flash-attention v2 layer.
+/// Attention over a dense batch: `softmax(softmax_scale · q kᵀ) v` for every query head, without
+/// materialising the scores.
 ///
-/// This implements scaled dot-product attention, `softmax(Q @ K^T . softmax_scale) @ V`.
-/// Multi-query and grouped-query attention are supported by using tensors k and v with fewer heads
-/// than q, the number of heads in k and v has to be divisible by the number of heads in q.
+/// `q` is `(batch, seqlen_q, heads_q, head_dim)`, `k` and `v` are `(batch, seqlen_k, heads_kv,
+/// head_dim)` (see the crate docs for dtypes, strides and the GQA rule); the result has `q`'s shape
+/// and dtype.
 ///
-/// # Arguments
+/// `softmax_scale` multiplies every score `q · k` before the softmax (usually
+/// `1 / sqrt(head_dim)`).
 ///
-/// * `q` - Query tensor with shape `(batch, seq_len_q, num_heads_q, head_size)`.
-/// * `k` - Key tensor with shape `(batch, seq_len_kv, num_heads_kv, head_size)`.
-/// * `v` - Value tensor with shape `(batch, seq_len_kv, num_heads_kv, head_size)`.
-///
-/// The resulting tensor has dimensions `(batch, seq_len_q, num_heads_q, head_size)`.
+/// `causal` hides from query row `i` every key after position `i + seqlen_k - seqlen_q` (the
+/// bottom-right aligned causal mask).
 pub fn flash_attn(
     q: &Tensor,
     k: &Tensor,
@@ -288,26 +298,18 @@ pub fn flash_attn(
     )
 }
 
-/// Flash-attention v2 layer.
+/// Attention over a dense batch with a sliding window (`flash_attn` with a band mask).
 ///
-/// This implements scaled dot-product attention, `softmax(Q @ K^T . softmax_scale) @ V`.
-/// Multi-query and grouped-query attention are supported by using tensors k and v with fewer heads
-/// than q, the number of heads in k and v has to be divisible by the number of heads in q.
+/// `q` is `(batch, seqlen_q, heads_q, head_dim)`, `k` and `v` are `(batch, seqlen_k, heads_kv,
+/// head_dim)` (see the crate docs for dtypes, strides and the GQA rule); the result has `q`'s shape
+/// and dtype.
 ///
-/// # Arguments
+/// `softmax_scale` multiplies every score `q · k` before the softmax (usually
+/// `1 / sqrt(head_dim)`).
 ///
-/// * `q` - Query tensor with shape `(batch, seq_len_q, num_heads_q, head_size)`.
-/// * `k` - Key tensor with shape `(batch, seq_len_kv, num_heads_kv, head_size)`.
-/// * `v` - Value tensor with shape `(batch, seq_len_kv, num_heads_kv, head_size)`.
-/// * `window_size_left` - Limit left attention to value tokens.
-/// * `window_size_right` - Limit right attention to value tokens.
-///
-/// # Causal mask
-///
-/// `window_size_left=None` with `window_size_right=Some(0)` applies a causal mask to the result
-/// of  `Q @ K^T`
-///
-/// The resulting tensor has dimensions `(batch, seq_len_q, num_heads_q, head_size)`.
+/// `window_size_left` / `window_size_right` bound how many keys before / after query row `i`'s
+/// diagonal position (`i + seqlen_k - seqlen_q`) it may see; `None` leaves that side open, and
+/// `(None, Some(0))` is the causal mask. How large or one-sided windows are read: [`window_mask`].
 pub fn flash_attn_windowed(
     q: &Tensor,
     k: &Tensor,
@@ -329,20 +331,20 @@ pub fn flash_attn_windowed(
     )
 }
 
-/// Flash-attention v2 layer.
+/// Attention over a dense batch with ALiBi position biases.
 ///
-/// This implements scaled dot-product attention, `softmax(Q @ K^T . softmax_scale) @ V`.
-/// Multi-query and grouped-query attention are supported by using tensors k and v with fewer heads
-/// than q, the number of heads in k and v has to be divisible by the number of heads in q.
+/// `q` is `(batch, seqlen_q, heads_q, head_dim)`, `k` and `v` are `(batch, seqlen_k, heads_kv,
+/// head_dim)` (see the crate docs for dtypes, strides and the GQA rule); the result has `q`'s shape
+/// and dtype.
 ///
-/// # Arguments
+/// `alibi_slopes`: f32, one slope per query head, `(heads_q,)` (or `(batch, heads_q)`); each score
+/// gets `-slope · |j - (i + seqlen_k - seqlen_q)|` added before the mask.
 ///
-/// * `q` - Query tensor with shape `(batch, seq_len_q, num_heads_q, head_size)`.
-/// * `k` - Key tensor with shape `(batch, seq_len_kv, num_heads_kv, head_size)`.
-/// * `v` - Value tensor with shape `(batch, seq_len_kv, num_heads_kv, head_size)`.
-/// * `alibi_slopes` - Alibi slopes tensor with shape `(num_heads_q)`.
+/// `softmax_scale` multiplies every score `q · k` before the softmax (usually
+/// `1 / sqrt(head_dim)`).
 ///
-/// The resulting tensor has dimensions `(batch, seq_len_q, num_heads_q, head_size)`.
+/// `causal` hides from query row `i` every key after position `i + seqlen_k - seqlen_q` (the
+/// bottom-right aligned causal mask).
 pub fn flash_attn_alibi(
     q: &Tensor,
     k: &Tensor,
@@ -365,27 +367,21 @@ pub fn flash_attn_alibi(
     )
 }
 
-/// Flash-attention v2 layer.
+/// Attention over a dense batch with ALiBi position biases and a sliding window.
 ///
-/// This implements scaled dot-product attention, `softmax(Q @ K^T . softmax_scale) @ V`.
-/// Multi-query and grouped-query attention are supported by using tensors k and v with fewer heads
-/// than q, the number of heads in k and v has to be divisible by the number of heads in q.
+/// `q` is `(batch, seqlen_q, heads_q, head_dim)`, `k` and `v` are `(batch, seqlen_k, heads_kv,
+/// head_dim)` (see the crate docs for dtypes, strides and the GQA rule); the result has `q`'s shape
+/// and dtype.
 ///
-/// # Arguments
+/// `alibi_slopes`: f32, one slope per query head, `(heads_q,)` (or `(batch, heads_q)`); each score
+/// gets `-slope · |j - (i + seqlen_k - seqlen_q)|` added before the mask.
 ///
-/// * `q` - Query tensor with shape `(batch, seq_len_q, num_heads_q, head_size)`.
-/// * `k` - Key tensor with shape `(batch, seq_len_kv, num_heads_kv, head_size)`.
-/// * `v` - Value tensor with shape `(batch, seq_len_kv, num_heads_kv, head_size)`.
-/// * `alibi_slopes` - Alibi slopes tensor with shape `(num_heads_q)`.
-/// * `window_size_left` - Limit left attention to value tokens.
-/// * `window_size_right` - Limit right attention to value tokens.
+/// `softmax_scale` multiplies every score `q · k` before the softmax (usually
+/// `1 / sqrt(head_dim)`).
 ///
-/// # Causal mask
-///
-/// `window_size_left=None` with `window_size_right=Some(0)` applies a causal mask to the result
-/// of  `Q @ K^T`
-///
-/// The resulting tensor has dimensions `(batch, seq_len_q, num_heads_q, head_size)`.
+/// `window_size_left` / `window_size_right` bound how many keys before / after query row `i`'s
+/// diagonal position (`i + seqlen_k - seqlen_q`) it may see; `None` leaves that side open, and
+/// `(None, Some(0))` is the causal mask. How large or one-sided windows are read: [`window_mask`].
 pub fn flash_attn_alibi_windowed(
     q: &Tensor,
     k: &Tensor,
@@ -408,31 +404,24 @@ pub fn flash_attn_alibi_windowed(
     )
 }
 
-/// Flash-attention v2 layer.
+/// Attention over a dense batch with every option: optional ALiBi, a sliding window and a softcap.
 ///
-/// This implements scaled dot-product attention, `softmax(Q @ K^T . softmax_scale) @ V`.
-/// Multi-query and grouped-query attention are supported by using tensors `k` and `v` with fewer heads
-/// than `q`. The number of heads in `k` and `v` must be divisible by the number of heads in `q`.
+/// `q` is `(batch, seqlen_q, heads_q, head_dim)`, `k` and `v` are `(batch, seqlen_k, heads_kv,
+/// head_dim)` (see the crate docs for dtypes, strides and the GQA rule); the result has `q`'s shape
+/// and dtype.
 ///
-/// # Arguments
+/// `alibi_slopes` (optional): f32, one slope per query head, `(heads_q,)` (or `(batch, heads_q)`);
+/// each score gets `-slope · |j - (i + seqlen_k - seqlen_q)|` added before the mask.
 ///
-/// * `q` - Query tensor with shape `(batch, seq_len_q, num_heads_q, head_size)`.
-/// * `k` - Key tensor with shape `(batch, seq_len_kv, num_heads_kv, head_size)`.
-/// * `v` - Value tensor with shape `(batch, seq_len_kv, num_heads_kv, head_size)`.
-/// * `alibi_slopes` - Optional alibi slopes tensor with shape `(num_heads_q)`.
-/// * `softmax_scale` - Scaling factor for the softmax operation.
-/// * `window_size_left` - Optional limit on left attention to value tokens.
-/// * `window_size_right` - Optional limit on right attention to value tokens.
-/// * `softcap` - Gemma style softcap the attention logits before the softmax.
+/// `softmax_scale` multiplies every score `q · k` before the softmax (usually
+/// `1 / sqrt(head_dim)`).
 ///
-/// # Causal Mask
+/// `window_size_left` / `window_size_right` bound how many keys before / after query row `i`'s
+/// diagonal position (`i + seqlen_k - seqlen_q`) it may see; `None` leaves that side open, and
+/// `(None, Some(0))` is the causal mask. How large or one-sided windows are read: [`window_mask`].
 ///
-/// Setting `window_size_left=None` and `window_size_right=Some(0)` applies a causal mask to the result
-/// of `Q @ K^T`.
-///
-/// # Returns
-///
-/// The resulting tensor has dimensions `(batch, seq_len_q, num_heads_q, head_size)`.
+/// `softcap`: when `> 0.0`, each scaled score `s` becomes `softcap · tanh(s / softcap)` before
+/// ALiBi and the mask (Gemma 2 uses 50); `0.0` turns it off.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_alibi_windowed_softcap(
     q: &Tensor,
@@ -458,26 +447,21 @@ pub fn flash_attn_alibi_windowed_softcap(
 }
 
 #[allow(clippy::too_many_arguments)]
-/// Flash-attention v2 layer with variable-length batching.
+/// Attention over sequences of different lengths packed into one batch (no padding).
 ///
-/// This implements scaled dot-product attention, `softmax(Q @ K^T . softmax_scale) @ V`.
-/// Multi-query and grouped-query attention are supported by using tensors k and v with fewer heads
-/// than q, the number of heads in k and v has to be divisible by the number of heads in q.
+/// The batch's sequences are stacked along the first dimension: `q` is `(total_q, heads_q,
+/// head_dim)`, `k` and `v` are `(total_k, heads_kv, head_dim)`. `seqlens_q` / `seqlens_k` are u32
+/// prefix sums of `batch + 1` entries (`0, len_0, len_0 + len_1, ...`): sequence `i` owns rows
+/// `seqlens_q[i]..seqlens_q[i + 1]` of `q` and `seqlens_k[i]..seqlens_k[i + 1]` of `k` / `v`.
+/// `max_seqlen_q` / `max_seqlen_k` bound the longest sequence on each side. Masks, ALiBi and
+/// softcap apply to each sequence on its own, with its own lengths. The result is `(total_q,
+/// heads_q, head_dim)` in `q`'s dtype.
 ///
-/// # Arguments
+/// `softmax_scale` multiplies every score `q · k` before the softmax (usually
+/// `1 / sqrt(head_dim)`).
 ///
-/// * `q` - Query tensor with shape `(total_q, num_heads_q, head_size)`.
-/// * `k` - Key tensor with shape `(total_kv, num_heads_kv, head_size)`.
-/// * `v` - Value tensor with shape `(total_kv, num_heads_kv, head_size)`.
-/// * `seqlens_q` - The cumulative lengths of the sequences in the batch, used to index in q.
-/// * `seqlens_k` - The cumulative lengths of the sequences in the batch, used to index in k and v.
-/// * `max_seqlen_q` - The maximum query sequence length for q in the batch.
-/// * `max_seqlen_k` - The maximum query sequence length for k and v in the batch.
-///
-/// `seqlens_q` and `seqlens_k` contain `batch_size + 1` elements, typically `0`, `seqlen_1`,
-/// `seqlen_1 + seqlen_2`, etc.
-///
-/// The resulting tensor has dimensions `(total_q, num_heads_q, head_size)`.
+/// `causal` hides from query row `i` of a sequence every key after position `i + len_k - len_q`
+/// (the bottom-right aligned causal mask; `len_q`, `len_k`: that sequence's own lengths).
 pub fn flash_attn_varlen(
     q: &Tensor,
     k: &Tensor,
@@ -508,33 +492,23 @@ pub fn flash_attn_varlen(
 }
 
 #[allow(clippy::too_many_arguments)]
-/// Flash-attention v2 layer with variable-length batching.
+/// Attention over packed sequences of different lengths, with a sliding window.
 ///
-/// This implements scaled dot-product attention, `softmax(Q @ K^T . softmax_scale) @ V`.
-/// Multi-query and grouped-query attention are supported by using tensors k and v with fewer heads
-/// than q, the number of heads in k and v has to be divisible by the number of heads in q.
+/// The batch's sequences are stacked along the first dimension: `q` is `(total_q, heads_q,
+/// head_dim)`, `k` and `v` are `(total_k, heads_kv, head_dim)`. `seqlens_q` / `seqlens_k` are u32
+/// prefix sums of `batch + 1` entries (`0, len_0, len_0 + len_1, ...`): sequence `i` owns rows
+/// `seqlens_q[i]..seqlens_q[i + 1]` of `q` and `seqlens_k[i]..seqlens_k[i + 1]` of `k` / `v`.
+/// `max_seqlen_q` / `max_seqlen_k` bound the longest sequence on each side. Masks, ALiBi and
+/// softcap apply to each sequence on its own, with its own lengths. The result is `(total_q,
+/// heads_q, head_dim)` in `q`'s dtype.
 ///
-/// # Arguments
+/// `softmax_scale` multiplies every score `q · k` before the softmax (usually
+/// `1 / sqrt(head_dim)`).
 ///
-/// * `q` - Query tensor with shape `(total_q, num_heads_q, head_size)`.
-/// * `k` - Key tensor with shape `(total_kv, num_heads_kv, head_size)`.
-/// * `v` - Value tensor with shape `(total_kv, num_heads_kv, head_size)`.
-/// * `seqlens_q` - The cumulative lengths of the sequences in the batch, used to index in q.
-/// * `seqlens_k` - The cumulative lengths of the sequences in the batch, used to index in k and v.
-/// * `max_seqlen_q` - The maximum query sequence length for q in the batch.
-/// * `max_seqlen_k` - The maximum query sequence length for k and v in the batch.
-/// * `window_size_left` - Limit left attention to value tokens.
-/// * `window_size_right` - Limit right attention to value tokens.
-///
-/// `seqlens_q` and `seqlens_k` contain `batch_size + 1` elements, typically `0`, `seqlen_1`,
-/// `seqlen_1 + seqlen_2`, etc.
-///
-/// The resulting tensor has dimensions `(total_q, num_heads_q, head_size)`.
-///
-/// # Causal mask
-///
-/// `window_size_left=None` with `window_size_right=Some(0)` applies a causal mask to the result
-/// of  `Q @ K^T`
+/// `window_size_left` / `window_size_right` bound how many keys before / after query row `i`'s
+/// diagonal position (`i + seqlen_k - seqlen_q`) it may see; `None` leaves that side open, and
+/// `(None, Some(0))` is the causal mask. How large or one-sided windows are read: [`window_mask`].
+/// Window sides larger than `max_seqlen_k` count as open.
 pub fn flash_attn_varlen_windowed(
     q: &Tensor,
     k: &Tensor,
@@ -565,39 +539,33 @@ pub fn flash_attn_varlen_windowed(
 }
 
 #[allow(clippy::too_many_arguments)]
-/// Flash-attention v2 layer with variable-length batching and paged K/V cache.
+/// Attention of packed queries over a paged K/V cache (chunked prefill, decode, mixed batches).
 ///
-/// This implements scaled dot-product attention, `softmax(Q @ K^T . softmax_scale) @ V`.
-/// Multi-query and grouped-query attention are supported by using tensors k and v with fewer heads
-/// than q, the number of heads in k and v has to be divisible by the number of heads in q.
+/// `q` is `(total_q, heads_q, head_dim)` with u32 prefix sums `seqlens_q` (`batch + 1` entries),
+/// as in [`flash_attn_varlen`]. `k` and `v` are pools of pages, `(num_pages, page_block_size,
+/// heads_kv, head_dim)`; `block_table` `(batch, max_pages)` lists each sequence's pages in order
+/// (u32, or i32 as the original's callers build it): key `j` of sequence `i` is row
+/// `j % page_block_size` of page `block_table[i][j / page_block_size]`. Sequence `i` has
+/// `seqlens_k[i + 1] - seqlens_k[i]` keys (`seqlens_k`: u32 prefix sums); its queries are the
+/// last positions of the sequence, so masks align at the bottom right. `page_block_size` must
+/// equal `k`'s second dimension; any page size works (the original needs a multiple of 32).
+/// `max_seqlen_q` / `max_seqlen_k` bound the longest sequence on each side.
 ///
-/// # Arguments
+/// `softmax_scale` multiplies every score `q · k` before the softmax (usually
+/// `1 / sqrt(head_dim)`).
 ///
-/// * `q` - Query tensor with shape `(total_q, num_heads_q, head_size)`.
-/// * `k` - Paged key tensor with shape `(num_blocks, page_block_size, num_heads_kv, head_size)`.
-/// * `v` - Paged value tensor with shape `(num_blocks, page_block_size, num_heads_kv, head_size)`.
-/// * `seqlens_q` - The cumulative lengths of the sequences in the batch, used to index in q.
-/// * `seqlens_k` - The cumulative lengths of the sequences in the batch, used to index in k and v.
-/// * `block_table` - Per-batch physical block indices with shape `(batch_size, max_blocks)`.
-/// * `mm_prefix_ranges` - Optional per-batch ranges with shape `(batch_size, max_ranges, 2)` that bypass the causal/window mask.
-/// * `max_seqlen_q` - The maximum query sequence length for q in the batch.
-/// * `max_seqlen_k` - The maximum query sequence length for k and v in the batch.
-/// * `window_size_left` - Limit left attention to value tokens.
-/// * `window_size_right` - Limit right attention to value tokens.
-/// * `page_block_size` - Number of tokens per K/V cache block.
-/// * `softcap` - Optional Gemma-style softcap for attention logits before the softmax.
+/// `window_size_left` / `window_size_right` bound how many keys before / after query row `i`'s
+/// diagonal position (`i + seqlen_k - seqlen_q`) it may see; `None` leaves that side open, and
+/// `(None, Some(0))` is the causal mask. How large or one-sided windows are read: [`window_mask`].
 ///
-/// The resulting tensor has dimensions `(total_q, num_heads_q, head_size)`.
+/// `softcap`: `Some(c)` with `c > 0.0` caps each scaled score to `c · tanh(s / c)`; `None` or
+/// `Some(0.0)` turns it off.
 ///
-/// # flashcore
+/// `mm_prefix_ranges` (ranges of keys that bypass the mask) is not supported: `Some` returns an
+/// error naming it, never a result computed without it.
 ///
-/// Runs `flashcore::attention_paged_varlen`: the per-sequence key counts are taken from the
-/// prefix sums `seqlens_k` (`seqlens_k[i + 1] - seqlens_k[i]`, on the device), `block_table`
-/// (u32, or i32 as the original's callers build it) is the page table, and `page_block_size`
-/// must equal k's dim 1. The window is converted as in the other functions (with
-/// `max_seqlen_k`). Any page size works (the original needs a multiple of 32).
-/// `mm_prefix_ranges` (ranges that bypass the mask) is not supported: `Some` is an error naming
-/// it, never a result computed without it.
+/// Runs `flashcore::attention_paged_varlen`. The result is `(total_q, heads_q, head_dim)` in
+/// `q`'s dtype.
 pub fn flash_attn_varlen_paged_windowed(
     q: &Tensor,
     k: &Tensor,
@@ -652,27 +620,24 @@ pub fn flash_attn_varlen_paged_windowed(
 }
 
 #[allow(clippy::too_many_arguments)]
-/// Flash-attention v2 layer with variable-length batching.
+/// Attention over packed sequences of different lengths, with ALiBi position biases.
 ///
-/// This implements scaled dot-product attention, `softmax(Q @ K^T . softmax_scale) @ V`.
-/// Multi-query and grouped-query attention are supported by using tensors k and v with fewer heads
-/// than q, the number of heads in k and v has to be divisible by the number of heads in q.
+/// The batch's sequences are stacked along the first dimension: `q` is `(total_q, heads_q,
+/// head_dim)`, `k` and `v` are `(total_k, heads_kv, head_dim)`. `seqlens_q` / `seqlens_k` are u32
+/// prefix sums of `batch + 1` entries (`0, len_0, len_0 + len_1, ...`): sequence `i` owns rows
+/// `seqlens_q[i]..seqlens_q[i + 1]` of `q` and `seqlens_k[i]..seqlens_k[i + 1]` of `k` / `v`.
+/// `max_seqlen_q` / `max_seqlen_k` bound the longest sequence on each side. Masks, ALiBi and
+/// softcap apply to each sequence on its own, with its own lengths. The result is `(total_q,
+/// heads_q, head_dim)` in `q`'s dtype.
 ///
-/// # Arguments
+/// `alibi_slopes`: f32, one slope per query head, `(heads_q,)` (or `(batch, heads_q)`); each score
+/// gets `-slope · |j - (i + seqlen_k - seqlen_q)|` added before the mask.
 ///
-/// * `q` - Query tensor with shape `(total_q, num_heads_q, head_size)`.
-/// * `k` - Key tensor with shape `(total_kv, num_heads_kv, head_size)`.
-/// * `v` - Value tensor with shape `(total_kv, num_heads_kv, head_size)`.
-/// * `alibi_slopes` - Alibi slopes tensor with shape `(num_heads_q)`.
-/// * `seqlens_q` - The cumulative lengths of the sequences in the batch, used to index in q.
-/// * `seqlens_k` - The cumulative lengths of the sequences in the batch, used to index in k and v.
-/// * `max_seqlen_q` - The maximum query sequence length for q in the batch.
-/// * `max_seqlen_k` - The maximum query sequence length for k and v in the batch.
+/// `softmax_scale` multiplies every score `q · k` before the softmax (usually
+/// `1 / sqrt(head_dim)`).
 ///
-/// `seqlens_q` and `seqlens_k` contain `batch_size + 1` elements, typically `0`, `seqlen_1`,
-/// `seqlen_1 + seqlen_2`, etc.
-///
-/// The resulting tensor has dimensions `(total_q, num_heads_q, head_size)`.
+/// `causal` hides from query row `i` of a sequence every key after position `i + len_k - len_q`
+/// (the bottom-right aligned causal mask; `len_q`, `len_k`: that sequence's own lengths).
 pub fn flash_attn_varlen_alibi(
     q: &Tensor,
     k: &Tensor,
@@ -704,34 +669,25 @@ pub fn flash_attn_varlen_alibi(
 }
 
 #[allow(clippy::too_many_arguments)]
-/// Flash-attention v2 layer with variable-length batching.
+/// Attention over packed sequences of different lengths, with ALiBi and a sliding window.
 ///
-/// This implements scaled dot-product attention, `softmax(Q @ K^T . softmax_scale) @ V`.
-/// Multi-query and grouped-query attention are supported by using tensors k and v with fewer heads
-/// than q, the number of heads in k and v has to be divisible by the number of heads in q.
+/// The batch's sequences are stacked along the first dimension: `q` is `(total_q, heads_q,
+/// head_dim)`, `k` and `v` are `(total_k, heads_kv, head_dim)`. `seqlens_q` / `seqlens_k` are u32
+/// prefix sums of `batch + 1` entries (`0, len_0, len_0 + len_1, ...`): sequence `i` owns rows
+/// `seqlens_q[i]..seqlens_q[i + 1]` of `q` and `seqlens_k[i]..seqlens_k[i + 1]` of `k` / `v`.
+/// `max_seqlen_q` / `max_seqlen_k` bound the longest sequence on each side. Masks, ALiBi and
+/// softcap apply to each sequence on its own, with its own lengths. The result is `(total_q,
+/// heads_q, head_dim)` in `q`'s dtype.
 ///
-/// # Arguments
+/// `alibi_slopes`: f32, one slope per query head, `(heads_q,)` (or `(batch, heads_q)`); each score
+/// gets `-slope · |j - (i + seqlen_k - seqlen_q)|` added before the mask.
 ///
-/// * `q` - Query tensor with shape `(total_q, num_heads_q, head_size)`.
-/// * `k` - Key tensor with shape `(total_kv, num_heads_kv, head_size)`.
-/// * `v` - Value tensor with shape `(total_kv, num_heads_kv, head_size)`.
-/// * `alibi_slopes` - Alibi slopes tensor with shape `(num_heads_q)`.
-/// * `seqlens_q` - The cumulative lengths of the sequences in the batch, used to index in q.
-/// * `seqlens_k` - The cumulative lengths of the sequences in the batch, used to index in k and v.
-/// * `max_seqlen_q` - The maximum query sequence length for q in the batch.
-/// * `max_seqlen_k` - The maximum query sequence length for k and v in the batch.
-/// * `window_size_left` - Limit left attention to value tokens.
-/// * `window_size_right` - Limit right attention to value tokens.
+/// `softmax_scale` multiplies every score `q · k` before the softmax (usually
+/// `1 / sqrt(head_dim)`).
 ///
-/// `seqlens_q` and `seqlens_k` contain `batch_size + 1` elements, typically `0`, `seqlen_1`,
-/// `seqlen_1 + seqlen_2`, etc.
-///
-/// The resulting tensor has dimensions `(total_q, num_heads_q, head_size)`.
-///
-/// # Causal mask
-///
-/// `window_size_left=None` with `window_size_right=Some(0)` applies a causal mask to the result
-/// of  `Q @ K^T`
+/// `window_size_left` / `window_size_right` bound how many keys before / after query row `i`'s
+/// diagonal position (`i + seqlen_k - seqlen_q`) it may see; `None` leaves that side open, and
+/// `(None, Some(0))` is the causal mask. How large or one-sided windows are read: [`window_mask`].
 pub fn flash_attn_varlen_alibi_windowed(
     q: &Tensor,
     k: &Tensor,
@@ -763,35 +719,29 @@ pub fn flash_attn_varlen_alibi_windowed(
 }
 
 #[allow(clippy::too_many_arguments)]
-/// Flash-attention v2 layer with variable-length batching.
+/// Attention over packed sequences of different lengths with every option: optional ALiBi, a
+/// sliding window and a softcap.
 ///
-/// This implements scaled dot-product attention, `softmax(Q @ K^T . softmax_scale) @ V`.
-/// Multi-query and grouped-query attention are supported by using tensors k and v with fewer heads
-/// than q, the number of heads in k and v has to be divisible by the number of heads in q.
+/// The batch's sequences are stacked along the first dimension: `q` is `(total_q, heads_q,
+/// head_dim)`, `k` and `v` are `(total_k, heads_kv, head_dim)`. `seqlens_q` / `seqlens_k` are u32
+/// prefix sums of `batch + 1` entries (`0, len_0, len_0 + len_1, ...`): sequence `i` owns rows
+/// `seqlens_q[i]..seqlens_q[i + 1]` of `q` and `seqlens_k[i]..seqlens_k[i + 1]` of `k` / `v`.
+/// `max_seqlen_q` / `max_seqlen_k` bound the longest sequence on each side. Masks, ALiBi and
+/// softcap apply to each sequence on its own, with its own lengths. The result is `(total_q,
+/// heads_q, head_dim)` in `q`'s dtype.
 ///
-/// # Arguments
+/// `alibi_slopes` (optional): f32, one slope per query head, `(heads_q,)` (or `(batch, heads_q)`);
+/// each score gets `-slope · |j - (i + seqlen_k - seqlen_q)|` added before the mask.
 ///
-/// * `q` - Query tensor with shape `(total_q, num_heads_q, head_size)`.
-/// * `k` - Key tensor with shape `(total_kv, num_heads_kv, head_size)`.
-/// * `v` - Value tensor with shape `(total_kv, num_heads_kv, head_size)`.
-/// * `alibi_slopes` - Option, alibi slopes tensor with shape `(num_heads_q)`.
-/// * `seqlens_q` - The cumulative lengths of the sequences in the batch, used to index in q.
-/// * `seqlens_k` - The cumulative lengths of the sequences in the batch, used to index in k and v.
-/// * `max_seqlen_q` - The maximum query sequence length for q in the batch.
-/// * `max_seqlen_k` - The maximum query sequence length for k and v in the batch.
-/// * `window_size_left` - Option, limit left attention to value tokens.
-/// * `window_size_right` - Option, limit right attention to value tokens.
-/// * `softcap` - Gemma style softcap the attention logits before the softmax.
+/// `softmax_scale` multiplies every score `q · k` before the softmax (usually
+/// `1 / sqrt(head_dim)`).
 ///
-/// `seqlens_q` and `seqlens_k` contain `batch_size + 1` elements, typically `0`, `seqlen_1`,
-/// `seqlen_1 + seqlen_2`, etc.
+/// `window_size_left` / `window_size_right` bound how many keys before / after query row `i`'s
+/// diagonal position (`i + seqlen_k - seqlen_q`) it may see; `None` leaves that side open, and
+/// `(None, Some(0))` is the causal mask. How large or one-sided windows are read: [`window_mask`].
 ///
-/// The resulting tensor has dimensions `(total_q, num_heads_q, head_size)`.
-///
-/// # Causal mask
-///
-/// `window_size_left=None` with `window_size_right=Some(0)` applies a causal mask to the result
-/// of  `Q @ K^T`
+/// `softcap`: when `> 0.0`, each scaled score `s` becomes `softcap · tanh(s / softcap)` before
+/// ALiBi and the mask (Gemma 2 uses 50); `0.0` turns it off.
 pub fn flash_attn_varlen_alibi_windowed_softcap(
     q: &Tensor,
     k: &Tensor,
