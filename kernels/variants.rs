@@ -200,7 +200,8 @@ impl Variant {
     /// and any problem whose 128-row tiles all run at once, one per SM (`sm90_d64_small`; causal
     /// too): each CTA then walks the keys for 128 rows instead of 192. Between that and a full
     /// grid of 192-row tiles, the 128-row ones would take a second round on some SMs (2 x 1500
-    /// rows x 8 heads causal: 29.9 against 29.0 us, H100; docs/decisions.md#small-grids-on-128-row-tiles).
+    /// rows x 8 heads causal: 29.9 against 29.0 us, H100;
+    /// docs/decisions.md#small-grids-on-128-row-tiles).
     pub const fn serves_grid(&self, sq: usize, bh: usize, sms: usize) -> bool {
         if !self.is_family("sm90") || !matches!(self.kind, KKind::Fwd) || self.head_dim != 64 {
             return true;
@@ -223,7 +224,8 @@ impl Variant {
     /// four-warpgroup tiles, whose producers have no room for the page walk: `FwdSm90::PAGED`,
     /// kernels/sm90/fwd.cuh) on power-of-two pages; a box is min(page_size, the largest power of
     /// two dividing block_n) rows, each inside one page, the boxes of a tile issued by one lane of
-    /// the TMA warp each. From 32-row boxes (H100, docs/decisions.md#paged-prefill-tma-boxes): chunked prefill at
+    /// the TMA warp each. From 32-row boxes (H100, docs/decisions.md#paged-prefill-tma-boxes):
+    /// chunked prefill at
     /// pages of 32 runs 0.94-0.98x the contiguous cache (gathered: 0.80-0.88x); 16-row boxes run
     /// 0.80-0.87x, about what gathering costs (the TMA unit takes about as long for a 2 KB box as
     /// for an 8 KB one), so pages of 16 are gathered at d128 / d256 by these kernels. The paged
@@ -322,7 +324,8 @@ pub const FAMILIES: &[Family] = &[
 ];
 
 const fn sm80(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
-    // Tile shapes (block_m x block_n, warps, K/V stages) per head dim; see docs/decisions.md#sm80-tiles.
+    // Tile shapes (block_m x block_n, warps, K/V stages) per head dim; see
+    // docs/decisions.md#sm80-tiles.
     // Measured on H100 (sm_90 SASS of the mma.sync kernel), bf16, 16k tokens, vs torch FA2.
     // Dynamic smem = (block_m + 2*stages*block_n) * head_dim * 2:
     //   d64 48 KB, d128 80 KB non-causal / 64 KB causal (fit sm_86/89's 99 KB), d256 128 KB
@@ -345,13 +348,15 @@ const fn sm80_pairs(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // d256 with key-split warp pairs: 128x128, 8 warps (4 pairs of 32 rows), one K and one V
     // stage, 226 KB (H100 / sm_90 only). Per 128-key tile a warp reads 88 KB of smem for 32 x 128
     // outputs where the 128x64 tile's warps read 144 KB for 16 x 256. Forced sm80 on the H100,
-    // bf16 8 x 8 heads x 2k non-causal: 355 TFLOPS against 306 (docs/decisions.md#sm80-d256-warp-pairs).
+    // bf16 8 x 8 heads x 2k non-causal: 355 TFLOPS against 306
+    // (docs/decisions.md#sm80-d256-warp-pairs).
     Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 128, block_n: 128, warps: 8, stages: 1, max_sq: u32::MAX, warp_pairs: true, softcap: false, narrow: 0, paged: false, kv_split: false, q_stages: 1 }
 }
 
 const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // d256 for GPUs with 99 KB of smem per block (sm_86/89): 64x32, 4 warps, 2 stages = 96 KB.
-    // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100 (docs/decisions.md#sm80-d256-warp-pairs),
+    // Correct in dev/sm80/exp and 0.93-0.96x torch FA2 on the H100
+    // (docs/decisions.md#sm80-d256-warp-pairs),
     // where the 128 KB tile above runs 1.04-1.08x.
     Variant { family: "sm80", kind: KKind::Fwd, dtype, head_dim, mask, block_m: 64, block_n: 32, warps: 4, stages: 2, max_sq: u32::MAX, warp_pairs: false, softcap: false, narrow: 0, paged: false, kv_split: false, q_stages: 1 }
 }
@@ -370,7 +375,8 @@ pub const SM90_SMALL_BLOCK_M: u32 = 128;
 
 const fn sm80_decode(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     // Split-KV decode: block_m = packed query rows (h_ratio * sq) per CTA, block_n = keys per
-    // cp.async stage. 40 / 80 / 80 KB of smem: fits sm_86/89's 99 KB. See docs/decisions.md#split-kv-decode.
+    // cp.async stage. 40 / 80 / 80 KB of smem: fits sm_86/89's 99 KB. See
+    // docs/decisions.md#split-kv-decode.
     let (block_m, block_n, warps, stages) = match head_dim {
         256 => (32, 32, 2, 2),
         _ => (DECODE_BLOCK_M, 64, 4, 2),
@@ -391,7 +397,8 @@ const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     };
     let v = sm90_tile(dtype, head_dim, mask, block_m, block_n, u32::MAX);
     // Two Q buffers (`Variant::q_stages`) where they measured faster in both runs
-    // (H100, bf16, same binary, docs/decisions.md#sm90-two-q-buffers): d64 non-causal 192x128 2k +2.8-3.5 %, 8k +1.4-3.4 %;
+    // (H100, bf16, same binary, docs/decisions.md#sm90-two-q-buffers): d64 non-causal 192x128 2k
+    // +2.8-3.5 %, 8k +1.4-3.4 %;
     // d128 causal 512 +2.0 %, 1k-16k within +-0.5 %. The d64 causal 192x128 kernel ran 4-8 %
     // slower with them (and spilled 4 B), d128 128x160 has no room.
     match (head_dim, mask) {
@@ -452,7 +459,8 @@ const fn sm90_d64_short(dtype: KDType) -> Variant {
 
 /// Non-causal d64 on grids of at most one 128-row query tile per SM (`Variant::serves_grid`):
 /// more CTAs, each walking the keys for fewer rows than on the 192-row tile. H100, bf16, CUDA
-/// events after an L2 flush (docs/decisions.md#small-grids-on-128-row-tiles): 1x8x512 14.7 -> 13.3 us, 1x16x1024 21.2 -> 19.0,
+/// events after an L2 flush (docs/decisions.md#small-grids-on-128-row-tiles): 1x8x512 14.7 -> 13.3
+/// us, 1x16x1024 21.2 -> 19.0,
 /// 1x4x2048 30.5 -> 26.8.
 const fn sm90_d64_small(dtype: KDType) -> Variant {
     sm90_tile(dtype, 64, KMask::None, SM90_SMALL_BLOCK_M, 128, u32::MAX)
@@ -474,7 +482,8 @@ const fn sm90_d64_causal_short(dtype: KDType) -> Variant {
 /// Wider key tiles halve the per-key softmax bookkeeping; 160 keys still leave room for the
 /// separate O staging buffer (225 KB) and waste 1.5 % on the ragged last tile at 2k / 4k (176
 /// keys, FA3's choice: no O buffer, 3 % at 2k). Same-binary A/B in the fa3 grid on the H100,
-/// 160 / 176 against 128 (bf16, two runs each; docs/decisions.md#sm90-tile-shapes): 512 -11 / -11 %, 1k -5 / -7 %,
+/// 160 / 176 against 128 (bf16, two runs each; docs/decisions.md#sm90-tile-shapes): 512 -11 / -11
+/// %, 1k -5 / -7 %,
 /// 2k +2 / -1 %, 4k -1 / -2 %, 8k +2 / +3 %, 16k +4 / +4 %; after 2 s of heat, 2k +1.5 / -2 %
 /// and 16k +3 / +2 %.
 const fn sm90_d128_short(dtype: KDType) -> Variant {
@@ -483,7 +492,8 @@ const fn sm90_d128_short(dtype: KDType) -> Variant {
 
 /// d256 up to 2k query rows: 64-key tiles; longer problems take 128x80 (`sm90`). 80 keys leave a
 /// ragged last tile at 512 (7 x 80 for 512 keys) and, causal, compute more of the diagonal. Same
-/// binary A/B on the H100 (bf16, two runs each, FLASHCORE_SKIP_VARIANTS; docs/decisions.md#sm90-tile-shapes):
+/// binary A/B on the H100 (bf16, two runs each, FLASHCORE_SKIP_VARIANTS;
+/// docs/decisions.md#sm90-tile-shapes):
 /// non-causal +2.7 / +2.5 % at 512, +0.3 / +0.9 % at 1k, +2.0 / +0.9 % at 2k; causal +3.7 / +3.2 %,
 /// -1.3 / -0.8 %, +3.0 / +3.1 %.
 const fn sm90_d256_short(dtype: KDType, mask: KMask) -> Variant {

@@ -869,7 +869,8 @@ fn decode_random() -> Result<()> {
 
 /// The decode's CTA-per-SM cap (`flashcore::cuda::decode_capped_smem`) on the figures the
 /// driver reports for the H100 SXM, the H200 and the A100 (no GPU needed): what was measured to
-/// help is capped (docs/decisions.md#decode-occupancy-cap), the rest launches as before, and a cap's shared
+/// help is capped (docs/decisions.md#decode-occupancy-cap), the rest launches as before, and a
+/// cap's shared
 /// memory lets exactly that many CTAs share an SM.
 #[test]
 fn decode_cap_rule_without_a_gpu() {

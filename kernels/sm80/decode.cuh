@@ -181,7 +181,8 @@ __device__ __forceinline__ int clampi(int x, int lo, int hi) { return x < lo ? l
 // kernels the search made d64 spill 8 B on sm_86/89). The host sizes the grid by the longest
 // sequence (p.sk), so even splits of that width leave a batch of unequal lengths with most CTAs
 // short and a few long: 8 sequences of 1k..32k keys read 1.6 TB/s where the same keys in equal
-// lengths read 2.6 (H100; decisions.md#balanced-decode-splits). Instead every CTA of the launch computes the same tiles
+// lengths read 2.6 (H100; decisions.md#balanced-decode-splits). Instead every CTA of the launch
+// computes the same tiles
 // per split: the smallest `tps` for which the batch's splits, the sum over sequences of
 // ceil(tiles_i / tps), number at most p.split_budget (the host's even-split CTA count per K/V
 // head, b * even, and a slack of b / 2, below one split per sequence so that equal lengths keep
@@ -895,7 +896,8 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
 // ---------------------------------------------------------------- host heuristic
 // num_splits for the split kernel (pure function; port to Rust as is).
 //   block_m / block_n: the variant's BLOCK_M / BLOCK_N; sm_count: multiprocessor count.
-// Model (measured on H100, docs/decisions.md#split-kv-decode): the kernel is memory-bound; a grid of
+// Model (measured on H100, docs/decisions.md#split-kv-decode): the kernel is memory-bound; a grid
+// of
 // about ONE CTA per SM, each streaming a long key range with its cp.async ring, beat grids sized
 // to the full occupancy (2 CTAs/SM) by 2-4 % at b=1 and b=8, and extra waves cost a tail. So:
 // pick the smallest split count whose wave efficiency ctas / (ceil(ctas / sm_count) * sm_count)

@@ -136,7 +136,8 @@ __device__ __forceinline__ int narrow_ksteps(int dch) {
 // Async copy of a [NROWS][D] tile starting at global row pointer g (row stride in elements);
 // rows >= valid are zero-filled. ONE_REM: test rows against one remainder register (valid - r0)
 // instead of a row index per pass: for kernels whose key loop has no registers to spare (the
-// warp pairs); on the d64 128x64 tile it measured 1.4-2.7 % slower (decisions.md#sm80-d256-warp-pairs).
+// warp pairs); on the d64 128x64 tile it measured 1.4-2.7 % slower
+// (decisions.md#sm80-d256-warp-pairs).
 // Columns from dch 16-byte chunks on (a head dim below D) are zero-filled up to chunk dz (the
 // end of the last 16-column k-step a narrow body computes); chunks from dz on are not written.
 template <int NROWS, int D, int NTHREADS, bool ONE_REM = false, typename T>
@@ -189,19 +190,21 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //   FWD_LEAN: fewer registers live across the key loop, for tiles at the 255-register limit
 //     (d128 128x48 on sm_80/86/89): K/V tile pointers and the thread index recomputed from %ctaid / %tid where
 //     they are used, one remainder register for load_tile's row test (STAGES 2). Costs 2-5 %
-//     on the H100 (decisions.md#sm80-tiles), so it is used only where the tile would spill without it.
+// on the H100 (decisions.md#sm80-tiles), so it is used only where the tile would spill without it.
 //   FWD_GEN: the general body: softcap (p.softcap > 0), ALiBi (p.alibi_slopes), packed
 //     variable-length batches (p.cu_seqlens_q/k, fc::seq_range) and head dims below D (p.d < D:
 //     zero-filled columns), each behind a runtime test. Kernels hold the plain body (dense, d = D,
-//     no score modifier: its SASS is that of the kernel before FWD_GEN) and the general one and pick one per
+// no score modifier: its SASS is that of the kernel before FWD_GEN) and the general one and pick
+// one per
 //     launch (fwd_has_cap_body): a runtime branch per key tile inside one body cost the sm80
 //     forward 1 % without softcap (H100, sm_90 SASS), and the sequence ranges in
-//     registers made the d128 128x48 tile spill 32 B on sm_90 (decisions.md#softcap-and-alibi-bodies).
+// registers made the d128 128x48 tile spill 32 B on sm_90 (decisions.md#softcap-and-alibi-bodies).
 //   FWD_NARROW (with FWD_GEN): the general body for heads at most 3/4 of D wide, 1/2 of the d64
 //     kernel's (fwd_narrow): Q.K^T and P.V skip the 16-column steps past p.d (narrow_ksteps). A
 //     third body, not a runtime bound inside the general one: there the per-step branches cost
 //     full-width varlen d128 12 % and softcap d128 5 % (H100, sm_90 SASS),
-//     and predicating the tail steps instead cost every general launch 25-40 % (decisions.md#sm80-narrow-bodies). The
+// and predicating the tail steps instead cost every general launch 25-40 %
+// (decisions.md#sm80-narrow-bodies). The
 //     third body adds ~17 % to the sm80 family's compile time (127 -> 148 CPU-s here).
 enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16, FWD_GEN = 32, FWD_NARROW = 64 };
 
@@ -1062,7 +1065,8 @@ __host__ __device__ constexpr bool fwd_has_narrow_body(int D, int MASK, int STAG
 // Whether a general launch takes the narrow body: the head leaves at least a quarter of the
 // kernel's 16-column steps unused (half of the d64 kernel's, which is less MMA-bound). H100,
 // forced sm80, bf16, fa3 grid, time of the general body ÷ the narrow one
-// (decisions.md#sm80-narrow-bodies): d80 / d96 on d128 1.160 / 1.048, d160 / d192 on d256 1.223 / 1.058, d32 on d64 1.080;
+// (decisions.md#sm80-narrow-bodies): d80 / d96 on d128 1.160 / 1.048, d160 / d192 on d256 1.223 /
+// 1.058, d32 on d64 1.080;
 // d112 (one step of eight saved) 0.935 and d48 on d64 0.898: the branches cost more than the
 // steps they save.
 __device__ __forceinline__ bool fwd_narrow(const FcParams& p, int D) {

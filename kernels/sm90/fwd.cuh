@@ -179,7 +179,8 @@ struct FwdSm90 {
     // setmaxnreg split. setmaxnreg.inc blocks until the CTA's register pool (what the launch
     // allocated: NTHREADS x the per-thread budget of __launch_bounds__(NTHREADS, 1), a multiple
     // of 8) has the registers, so the split must fit that pool, not the SM's 64K: with four
-    // consumer warpgroups the pool is 640 x 96, and 112 / 56 hung (decisions.md#sm90-register-split).
+    // consumer warpgroups the pool is 640 x 96, and 112 / 56 hung
+    // (decisions.md#sm90-register-split).
     // Causal tiles are unequal: dynamic schedule (p.tile_counter) for d64/d128 and for d256 with
     // 64-key tiles (`sm90_d256_short`; the 80-key tile spills at 232 consumer registers). No mask:
     // static (any grid). Host side: src/cuda/mod.rs `sm90_dynamic`.
@@ -224,7 +225,8 @@ struct FwdSm90 {
     static constexpr bool FAST = !CAUSAL;
     // Causal 128-row tiles up to d128 (two consumer warpgroups): the exact softmax also finishes
     // the P V in flight (`softmax_pv`, FA3's order). Same-binary A/B on the H100
-    // (docs/decisions.md#spv-softmax-pv): d64 causal 512 / 1k +1.8-3.5 %, d128 causal +0-2 %, LLaMA prefill +1.8 %;
+    // (docs/decisions.md#spv-softmax-pv): d64 causal 512 / 1k +1.8-3.5 %, d128 causal +0-2 %, LLaMA
+    // prefill +1.8 %;
     // the d64 192x128 causal tile ran 1.6-2.2 % slower at 8k / 16k with it, so it keeps the old
     // order.
     static constexpr bool SPV = CAUSAL && NC == 2 && D <= 128;
@@ -570,7 +572,8 @@ struct FwdSm90 {
         // lane (a shuffle from lane 0): from threadIdx it is per-thread to ptxas, and so is every
         // wgmma descriptor built from it (the Q slice), which then costs each wgmma of the key
         // loop an R2UR pair and its address arithmetic (d256 causal 128x64: 589 -> 550
-        // instructions per key tile). Same binary on the H100 (decisions.md#warp-uniform-warpgroup-index): causal
+        // instructions per key tile). Same binary on the H100
+        // (decisions.md#warp-uniform-warpgroup-index): causal
         // +0.5-1.8 %, LLaMA prefill +1.4 %; but d64 / d128 non-causal 8k -3.3 / -2.1 % and the d256
         // non-causal 128x80 tile spills 20 B with it, so those keep the per-thread value.
         const int c = CAUSAL ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
@@ -707,7 +710,8 @@ struct FwdSm90 {
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
                     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
                     // The rule of fc::lazy_rescale (common/softmax.cuh, the sm80 kernels), written
-                    // out: through the helper this kernel ran 1.6 % slower at d128. The first visible key sets the reference (O = 0 and l = 0 until then:
+                    // out: through the helper this kernel ran 1.6 % slower at d128. The first
+                    // visible key sets the reference (O = 0 and l = 0 until then:
                     // alpha 1); later only a growth past the threshold moves it. Needs a scale > 0
                     // (the dispatcher refuses others).
                     const bool first = m_r[r] == -INFINITY;
@@ -897,7 +901,8 @@ struct FwdSm90 {
             // then builds the whole key loop for divergent warps (the stage and phase it advances
             // no longer uniform: 24 more R2UR / IMAD per iteration, WARPSYNC around the wgmmas)
             // and the kernel ran 6-10 % slower. Same-binary A/B on the H100
-            // (docs/decisions.md#skip1-and-half-votes): d256 causal 512-8k +0.9-2.7 %, d64 causal 2k +3.5 %.
+            // (docs/decisions.md#skip1-and-half-votes): d256 causal 512-8k +0.9-2.7 %, d64 causal
+            // 2k +3.5 %.
             if (SKIP1 && __any_sync(0xffffffffu, hi - lo >= 2 && wg_key_end() <= (hi - 1) * BN)) {
                 mbar_wait(full_k(ks.stage), ks.phase);
                 if (t128 == 0) mbar_arrive(empty_k(ks.stage));
@@ -916,7 +921,8 @@ struct FwdSm90 {
             // tile): its row max, exponentials and sums run over those BN / 2 keys, and its P is
             // zero in the other half. The Q K^T stays whole (a second Q K^T shape in the kernel
             // made ptxas serialise the wgmmas: C7511, C7520). A warp vote, as SKIP1. Same-binary
-            // A/B on the H100 (decisions.md#skip1-and-half-votes): d64 causal 512 / 1k +2.0 / +3.1 % with
+            // A/B on the H100 (decisions.md#skip1-and-half-votes): d64 causal 512 / 1k +2.0 / +3.1
+            // % with
             // a divergent branch, then +2.0 / +3.8 % more with the vote; the 192x128 tile 2k / 8k
             // +1.1 / +0.8 % over SKIP1 alone; on the d128 tiles -1 to +1.6 %, so not there.
             const bool half = HALF && __any_sync(0xffffffffu, wg_key_end() <= (hi - 1) * BN + BN / 2);
@@ -1154,7 +1160,8 @@ struct FwdSm90 {
                 // holding the sequence's last rows takes 16-byte stores of its rows (a TMA box past
                 // the sequence's end would write the next sequence's rows). Neither choice branches
                 // around a barrier: a divergent path holding one serialises every wgmma of the
-                // kernel (ptxas C7520, 25-40 % slower: docs/decisions.md#wgmma-serialisation-warnings).
+                // kernel (ptxas C7520, 25-40 % slower:
+                // docs/decisions.md#wgmma-serialisation-warnings).
                 const int srow = m_block * BM + c * 64;
                 // Not the 256-row d64 kernel (its 4 consumer warpgroups spill 8 B with the TMA store)
                 // nor d256 (1.2-2.7 % slower than the 16-byte stores).

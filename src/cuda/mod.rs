@@ -381,7 +381,8 @@ fn smem_budget(info: &DeviceInfo) -> Result<u32> {
 /// rows per K/V head and sequence) at mma.sync rates, about 9 us per block at 32k keys: it wins
 /// with up to 16 blocks from 4k keys, at head dims up to 128 (d256 packs 32-row blocks).
 /// bf16, CUDA events after an L2 flush, us, 32/8 heads d128 causal unless noted
-/// (docs/decisions.md#decode-for-few-query-rows). H100, prefill in one CTA per tile -> decode: seq_q 17 over 32k 364-367 -> 148; 32 over 32k 365
+/// (docs/decisions.md#decode-for-few-query-rows). H100, prefill in one CTA per tile -> decode:
+/// seq_q 17 over 32k 364-367 -> 148; 32 over 32k 365
 /// -> 148 (pages of 64: 370 -> 154); 32 over 8k 99.4 -> 51.2; 32 over 4k 54.5 -> 35.1. H200,
 /// prefill in clusters of two -> decode: 17 or 32 over 32k 197 -> 150, 32 over 8k
 /// 60.0 -> 51.3, 32 over 4k 37.1 -> 34.7; and where the clusters win (32 blocks): 64 over 32k
@@ -396,7 +397,8 @@ fn decode_beats_starved_prefill(p: &Problem, sms: usize) -> bool {
 /// (`Variant::kv_split`): 2 where the 128-row tiles in clusters of two still fit in one wave on
 /// the SMs and there are at least 16 keys per column of the kernel's head dim (1024 at d64, 2048
 /// at d128: the exchange grows with the width), else 1 (the twins are not chosen). bf16, CUDA
-/// events after an L2 flush (docs/decisions.md#key-split-clusters), us, one CTA per tile -> clusters of 2: H100 1 x 4 x
+/// events after an L2 flush (docs/decisions.md#key-split-clusters), us, one CTA per tile ->
+/// clusters of 2: H100 1 x 4 x
 /// 2048 x 64 26.8 -> 21.9, d128 31.1-31.4 -> 26.2, 1 x 4 x 1024 x 64 17.7 -> 16.9, 1 x 2 x 4096
 /// x 64 causal 46.7 -> 32.5, 1 x 1 x 8192 x 128 causal 101 -> 61.3, 1 x 32/8 x 256 rows over 32k
 /// keys d128 causal 372 -> 225, 1 x 32/8 x 64 over 4k d128 50.0 -> 35.3; where they lose: 1 x 8
@@ -626,7 +628,8 @@ fn full_occupancy_forced() -> bool {
 /// paged pool's page rows; `sk`: the grid's keys per sequence.
 ///
 /// A decode streams K/V once, and past what hides DRAM latency more loads in flight cost
-/// bandwidth. H100 (3.35 TB/s), bf16, 32/8 heads, contiguous cache (docs/decisions.md#decode-occupancy-cap):
+/// bandwidth. H100 (3.35 TB/s), bf16, 32/8 heads, contiguous cache
+/// (docs/decisions.md#decode-occupancy-cap):
 /// d128 at b64 × 32k 2781 µs with two CTAs per SM (128 KB of K/V in flight per SM), 2728 with
 /// one (64 KB); d64 at b64 × 16k 734 µs with five (160 KB), 703 with two. The cap aims at the
 /// fewest CTAs that keep 64 KB per SM in flight, scaled by the DRAM bandwidth: the H200
@@ -708,7 +711,8 @@ fn decode_grid(p: &Problem, variant: &Variant, info: &DeviceInfo) -> DecodeGrid 
     // A paged cache whose pages split a key tile (page_size % block_n != 0: pages of 16 or 32)
     // aims its splits at two CTAs per SM, which hides more of the several pages per tile. H100
     // bf16, 32/8 heads d128, pages of 16, against the contiguous cache (splits doubled, rows then
-    // looked up one by one; docs/decisions.md#split-kv-decode): b8 x 4k/8k/32k 0.91/0.88/0.83 -> 0.95/0.95/0.93,
+    // looked up one by one; docs/decisions.md#split-kv-decode): b8 x 4k/8k/32k 0.91/0.88/0.83 ->
+    // 0.95/0.95/0.93,
     // b1 x 8k/32k 0.88/0.89 -> 0.92/0.91; pages of 64 and 256 (one page per tile) gained nothing.
     // With a page per warp and tile (H200) one CTA per SM still loses at b1 and b8:
     // b8 x 8k / 32k 0.980 / 1.001 with two, 0.914 / 0.904 with one.
@@ -723,7 +727,8 @@ fn decode_grid(p: &Problem, variant: &Variant, info: &DeviceInfo) -> DecodeGrid 
     // the GPU): the split kernel balances its splits over them (`balanced_tps` in
     // kernels/sm80/decode.cuh), on a grid of up to twice the even split count per sequence
     // (the longest sequence's splits; a short one leaves its extra splits empty). H100, bf16,
-    // 32/8 heads d128, pages of 64, against even splits (docs/decisions.md#balanced-decode-splits): 8 sequences
+    // 32/8 heads d128, pages of 64, against even splits (docs/decisions.md#balanced-decode-splits):
+    // 8 sequences
     // of 1k..32k keys 234 -> 167 us, 16 of 128..32k 556 -> 438, 32 of 128..8k 198 -> 170; equal
     // lengths lose 1-3 % (the empty splits), 32 of them 5 % (a combine where none ran).
     let splits = balanced_splits(p, variant, even, small_pages);
@@ -852,7 +857,8 @@ fn decode(
         return Ok(false);
     }
     // A packed or paged batch's combine checks the tables itself (one check kernel launch less:
-    // 1-2 us of a b1 / b8 decode on the H200, docs/decisions.md#programmatic-dependent-launch), for batches whose
+    // 1-2 us of a b1 / b8 decode on the H200, docs/decisions.md#programmatic-dependent-launch), for
+    // batches whose
     // prefix sums one pass of its 256 threads reads.
     let tables = !matches!(p.seqs, Seqs::Dense) || matches!(p.keys, Keys::Paged { .. });
     let checks = tables && p.b <= 256;
