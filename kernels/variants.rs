@@ -234,14 +234,7 @@ impl Variant {
     /// which read pages of 16 in-kernel too (0.96x the contiguous cache at 512 new
     /// over 8192 cached keys, d128, where gathering ran 0.80x).
     pub const fn page_box(&self, page_size: usize) -> Option<u32> {
-        let three_dyn = self.block_m == 192
-            && matches!(self.mask, KMask::Causal)
-            && (self.head_dim <= 128 || self.block_n == 64);
-        let four = self.block_m == 256;
-        if !self.is_family("sm90") || !matches!(self.kind, KKind::Fwd) || three_dyn || four {
-            return None;
-        }
-        if !page_size.is_power_of_two() {
+        if !self.tma_pages() || !page_size.is_power_of_two() {
             return None;
         }
         let bn = self.block_n as usize;
@@ -251,6 +244,30 @@ impl Variant {
             Some(rows as u32)
         } else {
             None
+        }
+    }
+    /// Whether the kernel can read a paged K/V pool through the page table with TMA boxes
+    /// (`FwdSm90::PAGED`, kernels/sm90/fwd.cuh): the sm90 forward kernels but the
+    /// dynamic-schedule tiles with three consumer warpgroups and the four-warpgroup tiles, whose
+    /// producers have no registers to spare for the page walk. `page_box` decides the box size.
+    pub const fn tma_pages(&self) -> bool {
+        let three_dyn = self.block_m == 192
+            && matches!(self.mask, KMask::Causal)
+            && (self.head_dim <= 128 || self.block_n == 64);
+        let four = self.block_m == 256;
+        self.is_family("sm90") && matches!(self.kind, KKind::Fwd) && !three_dyn && !four
+    }
+    /// Whether the kernel computes score modifiers (softcap, ALiBi): in a body beside its plain
+    /// one (`has_cap_body`) or because it is a softcap twin.
+    pub const fn computes_modifiers(&self) -> bool {
+        self.has_cap_body() || self.softcap
+    }
+    /// Head-dim columns the kernel computes: its head dim, or a narrow twin's width.
+    pub const fn width(&self) -> u32 {
+        if self.narrow > 0 {
+            self.narrow
+        } else {
+            self.head_dim
         }
     }
     pub const fn threads(&self) -> u32 {
@@ -508,144 +525,97 @@ pub fn combine_symbol(family: &str, dtype: KDType, head_dim: u32) -> String {
     format!("fc_{}_combine_{}_d{}", family, dtype.name(), head_dim)
 }
 
-/// Every compiled kernel. Where one problem class (family, kind, dtype, head dim, mask) has
-/// several entries, they are in order of preference: the dispatcher takes the first one whose
-/// shared memory fits the GPU and whose `max_sq` admits the problem's seq_q.
-pub const VARIANTS: &[Variant] = &[
-    narrow(sm90_d64_short(KDType::Bf16), 32),
-    sm90_d64_short(KDType::Bf16),
-    narrow(sm90_d64_small(KDType::Bf16), 32),
-    kvs(sm90_d64_small(KDType::Bf16)),
-    sm90_d64_small(KDType::Bf16),
-    narrow(sm90(KDType::Bf16, 64, KMask::None), 32),
-    sm90(KDType::Bf16, 64, KMask::None),
-    narrow(sm90_d64_causal_short(KDType::Bf16), 32),
-    kvs(sm90_d64_causal_short(KDType::Bf16)),
-    sm90_d64_causal_short(KDType::Bf16),
-    narrow(sm90(KDType::Bf16, 64, KMask::Causal), 32),
-    sm90(KDType::Bf16, 64, KMask::Causal),
-    pg(sm90_d128_short(KDType::Bf16)),
-    narrow(sm90_d128_short(KDType::Bf16), 96),
-    kvs(sm90_d128_short(KDType::Bf16)),
-    sm90_d128_short(KDType::Bf16),
-    pg(sm90(KDType::Bf16, 128, KMask::None)),
-    narrow(sm90(KDType::Bf16, 128, KMask::None), 96),
-    sm90(KDType::Bf16, 128, KMask::None),
-    pg(sm90(KDType::Bf16, 128, KMask::Causal)),
-    narrow(sm90(KDType::Bf16, 128, KMask::Causal), 96),
-    kvs(sm90(KDType::Bf16, 128, KMask::Causal)),
-    sm90(KDType::Bf16, 128, KMask::Causal),
-    pg(sm90_d256_short(KDType::Bf16, KMask::None)),
-    narrow(sm90_d256_short(KDType::Bf16, KMask::None), 160),
-    narrow(sm90_d256_short(KDType::Bf16, KMask::None), 192),
-    sm90_d256_short(KDType::Bf16, KMask::None),
-    pg(sm90(KDType::Bf16, 256, KMask::None)),
-    narrow(sm90(KDType::Bf16, 256, KMask::None), 160),
-    narrow(sm90(KDType::Bf16, 256, KMask::None), 192),
-    sm90(KDType::Bf16, 256, KMask::None),
-    cap(sm90_d256_short(KDType::Bf16, KMask::None)),
-    cap(sm90(KDType::Bf16, 256, KMask::None)),
-    pg(sm90_d256_short(KDType::Bf16, KMask::Causal)),
-    narrow(sm90_d256_short(KDType::Bf16, KMask::Causal), 160),
-    narrow(sm90_d256_short(KDType::Bf16, KMask::Causal), 192),
-    sm90_d256_short(KDType::Bf16, KMask::Causal),
-    pg(sm90(KDType::Bf16, 256, KMask::Causal)),
-    narrow(sm90(KDType::Bf16, 256, KMask::Causal), 160),
-    narrow(sm90(KDType::Bf16, 256, KMask::Causal), 192),
-    sm90(KDType::Bf16, 256, KMask::Causal),
-    cap(sm90_d256_short(KDType::Bf16, KMask::Causal)),
-    cap(sm90(KDType::Bf16, 256, KMask::Causal)),
-    narrow(sm90_d64_short(KDType::F16), 32),
-    sm90_d64_short(KDType::F16),
-    narrow(sm90_d64_small(KDType::F16), 32),
-    kvs(sm90_d64_small(KDType::F16)),
-    sm90_d64_small(KDType::F16),
-    narrow(sm90(KDType::F16, 64, KMask::None), 32),
-    sm90(KDType::F16, 64, KMask::None),
-    narrow(sm90_d64_causal_short(KDType::F16), 32),
-    kvs(sm90_d64_causal_short(KDType::F16)),
-    sm90_d64_causal_short(KDType::F16),
-    narrow(sm90(KDType::F16, 64, KMask::Causal), 32),
-    sm90(KDType::F16, 64, KMask::Causal),
-    pg(sm90_d128_short(KDType::F16)),
-    narrow(sm90_d128_short(KDType::F16), 96),
-    kvs(sm90_d128_short(KDType::F16)),
-    sm90_d128_short(KDType::F16),
-    pg(sm90(KDType::F16, 128, KMask::None)),
-    narrow(sm90(KDType::F16, 128, KMask::None), 96),
-    sm90(KDType::F16, 128, KMask::None),
-    pg(sm90(KDType::F16, 128, KMask::Causal)),
-    narrow(sm90(KDType::F16, 128, KMask::Causal), 96),
-    kvs(sm90(KDType::F16, 128, KMask::Causal)),
-    sm90(KDType::F16, 128, KMask::Causal),
-    pg(sm90_d256_short(KDType::F16, KMask::None)),
-    narrow(sm90_d256_short(KDType::F16, KMask::None), 160),
-    narrow(sm90_d256_short(KDType::F16, KMask::None), 192),
-    sm90_d256_short(KDType::F16, KMask::None),
-    pg(sm90(KDType::F16, 256, KMask::None)),
-    narrow(sm90(KDType::F16, 256, KMask::None), 160),
-    narrow(sm90(KDType::F16, 256, KMask::None), 192),
-    sm90(KDType::F16, 256, KMask::None),
-    cap(sm90_d256_short(KDType::F16, KMask::None)),
-    cap(sm90(KDType::F16, 256, KMask::None)),
-    pg(sm90_d256_short(KDType::F16, KMask::Causal)),
-    narrow(sm90_d256_short(KDType::F16, KMask::Causal), 160),
-    narrow(sm90_d256_short(KDType::F16, KMask::Causal), 192),
-    sm90_d256_short(KDType::F16, KMask::Causal),
-    pg(sm90(KDType::F16, 256, KMask::Causal)),
-    narrow(sm90(KDType::F16, 256, KMask::Causal), 160),
-    narrow(sm90(KDType::F16, 256, KMask::Causal), 192),
-    sm90(KDType::F16, 256, KMask::Causal),
-    cap(sm90_d256_short(KDType::F16, KMask::Causal)),
-    cap(sm90(KDType::F16, 256, KMask::Causal)),
-    sm80(KDType::Bf16, 64, KMask::None),
-    sm80(KDType::Bf16, 64, KMask::Causal),
-    sm80(KDType::Bf16, 64, KMask::Local),
-    sm80(KDType::Bf16, 128, KMask::None),
-    cap(Variant { block_n: 32, ..sm80(KDType::Bf16, 128, KMask::None) }),
-    sm80(KDType::Bf16, 128, KMask::Causal),
-    sm80(KDType::Bf16, 128, KMask::Local),
-    sm80_pairs(KDType::Bf16, 256, KMask::None),
-    sm80(KDType::Bf16, 256, KMask::None),
-    sm80_small(KDType::Bf16, 256, KMask::None),
-    sm80_pairs(KDType::Bf16, 256, KMask::Causal),
-    sm80(KDType::Bf16, 256, KMask::Causal),
-    sm80_small(KDType::Bf16, 256, KMask::Causal),
-    sm80_pairs(KDType::Bf16, 256, KMask::Local),
-    sm80(KDType::Bf16, 256, KMask::Local),
-    sm80_small(KDType::Bf16, 256, KMask::Local),
-    sm80(KDType::F16, 64, KMask::None),
-    sm80(KDType::F16, 64, KMask::Causal),
-    sm80(KDType::F16, 64, KMask::Local),
-    sm80(KDType::F16, 128, KMask::None),
-    cap(Variant { block_n: 32, ..sm80(KDType::F16, 128, KMask::None) }),
-    sm80(KDType::F16, 128, KMask::Causal),
-    sm80(KDType::F16, 128, KMask::Local),
-    sm80_pairs(KDType::F16, 256, KMask::None),
-    sm80(KDType::F16, 256, KMask::None),
-    sm80_small(KDType::F16, 256, KMask::None),
-    sm80_pairs(KDType::F16, 256, KMask::Causal),
-    sm80(KDType::F16, 256, KMask::Causal),
-    sm80_small(KDType::F16, 256, KMask::Causal),
-    sm80_pairs(KDType::F16, 256, KMask::Local),
-    sm80(KDType::F16, 256, KMask::Local),
-    sm80_small(KDType::F16, 256, KMask::Local),
-    sm80_decode(KDType::Bf16, 64, KMask::None),
-    sm80_decode(KDType::Bf16, 64, KMask::Causal),
-    sm80_decode(KDType::Bf16, 64, KMask::Local),
-    sm80_decode(KDType::Bf16, 128, KMask::None),
-    sm80_decode(KDType::Bf16, 128, KMask::Causal),
-    sm80_decode(KDType::Bf16, 128, KMask::Local),
-    sm80_decode(KDType::Bf16, 256, KMask::None),
-    sm80_decode(KDType::Bf16, 256, KMask::Causal),
-    sm80_decode(KDType::Bf16, 256, KMask::Local),
-    sm80_decode(KDType::F16, 64, KMask::None),
-    sm80_decode(KDType::F16, 64, KMask::Causal),
-    sm80_decode(KDType::F16, 64, KMask::Local),
-    sm80_decode(KDType::F16, 128, KMask::None),
-    sm80_decode(KDType::F16, 128, KMask::Causal),
-    sm80_decode(KDType::F16, 128, KMask::Local),
-    sm80_decode(KDType::F16, 256, KMask::None),
-    sm80_decode(KDType::F16, 256, KMask::Causal),
-    sm80_decode(KDType::F16, 256, KMask::Local),
-];
+/// Kernels per dtype (`ROWS`): the table is written once and compiled for bf16 and f16 alike.
+pub const ROWS: usize = 68;
+
+/// Every compiled kernel of one dtype. Where one problem class (family, kind, dtype, head dim,
+/// mask) has several entries, they are in order of preference: the dispatcher takes the first one
+/// whose shared memory fits the GPU and whose `max_sq` admits the problem's seq_q.
+const fn rows(t: KDType) -> [Variant; ROWS] {
+    [
+        narrow(sm90_d64_short(t), 32),
+        sm90_d64_short(t),
+        narrow(sm90_d64_small(t), 32),
+        kvs(sm90_d64_small(t)),
+        sm90_d64_small(t),
+        narrow(sm90(t, 64, KMask::None), 32),
+        sm90(t, 64, KMask::None),
+        narrow(sm90_d64_causal_short(t), 32),
+        kvs(sm90_d64_causal_short(t)),
+        sm90_d64_causal_short(t),
+        narrow(sm90(t, 64, KMask::Causal), 32),
+        sm90(t, 64, KMask::Causal),
+        pg(sm90_d128_short(t)),
+        narrow(sm90_d128_short(t), 96),
+        kvs(sm90_d128_short(t)),
+        sm90_d128_short(t),
+        pg(sm90(t, 128, KMask::None)),
+        narrow(sm90(t, 128, KMask::None), 96),
+        sm90(t, 128, KMask::None),
+        pg(sm90(t, 128, KMask::Causal)),
+        narrow(sm90(t, 128, KMask::Causal), 96),
+        kvs(sm90(t, 128, KMask::Causal)),
+        sm90(t, 128, KMask::Causal),
+        pg(sm90_d256_short(t, KMask::None)),
+        narrow(sm90_d256_short(t, KMask::None), 160),
+        narrow(sm90_d256_short(t, KMask::None), 192),
+        sm90_d256_short(t, KMask::None),
+        pg(sm90(t, 256, KMask::None)),
+        narrow(sm90(t, 256, KMask::None), 160),
+        narrow(sm90(t, 256, KMask::None), 192),
+        sm90(t, 256, KMask::None),
+        cap(sm90_d256_short(t, KMask::None)),
+        cap(sm90(t, 256, KMask::None)),
+        pg(sm90_d256_short(t, KMask::Causal)),
+        narrow(sm90_d256_short(t, KMask::Causal), 160),
+        narrow(sm90_d256_short(t, KMask::Causal), 192),
+        sm90_d256_short(t, KMask::Causal),
+        pg(sm90(t, 256, KMask::Causal)),
+        narrow(sm90(t, 256, KMask::Causal), 160),
+        narrow(sm90(t, 256, KMask::Causal), 192),
+        sm90(t, 256, KMask::Causal),
+        cap(sm90_d256_short(t, KMask::Causal)),
+        cap(sm90(t, 256, KMask::Causal)),
+        sm80(t, 64, KMask::None),
+        sm80(t, 64, KMask::Causal),
+        sm80(t, 64, KMask::Local),
+        sm80(t, 128, KMask::None),
+        cap(Variant { block_n: 32, ..sm80(t, 128, KMask::None) }),
+        sm80(t, 128, KMask::Causal),
+        sm80(t, 128, KMask::Local),
+        sm80_pairs(t, 256, KMask::None),
+        sm80(t, 256, KMask::None),
+        sm80_small(t, 256, KMask::None),
+        sm80_pairs(t, 256, KMask::Causal),
+        sm80(t, 256, KMask::Causal),
+        sm80_small(t, 256, KMask::Causal),
+        sm80_pairs(t, 256, KMask::Local),
+        sm80(t, 256, KMask::Local),
+        sm80_small(t, 256, KMask::Local),
+        sm80_decode(t, 64, KMask::None),
+        sm80_decode(t, 64, KMask::Causal),
+        sm80_decode(t, 64, KMask::Local),
+        sm80_decode(t, 128, KMask::None),
+        sm80_decode(t, 128, KMask::Causal),
+        sm80_decode(t, 128, KMask::Local),
+        sm80_decode(t, 256, KMask::None),
+        sm80_decode(t, 256, KMask::Causal),
+        sm80_decode(t, 256, KMask::Local),
+    ]
+}
+
+/// `ROWS` for bf16, then for f16.
+const fn both_dtypes() -> [Variant; 2 * ROWS] {
+    let (bf16, f16) = (rows(KDType::Bf16), rows(KDType::F16));
+    let mut all = [bf16[0]; 2 * ROWS];
+    let mut i = 0;
+    while i < ROWS {
+        all[i] = bf16[i];
+        all[ROWS + i] = f16[i];
+        i += 1;
+    }
+    all
+}
+
+/// Every compiled kernel: `rows` for each dtype.
+pub const VARIANTS: &[Variant] = &both_dtypes();

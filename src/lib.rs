@@ -61,6 +61,7 @@
 //! `candle_core::Error::BackwardNotSupported`.
 
 mod cache;
+mod merge;
 mod op;
 mod params;
 mod reference;
@@ -69,6 +70,7 @@ mod reference;
 pub mod cuda;
 
 pub use cache::PagedKvCache;
+pub use merge::merge_states;
 pub use params::{AttnParams, Mask, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS};
 
 use candle_core::{Result, Tensor};

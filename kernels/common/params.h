@@ -1,5 +1,6 @@
 // flashcore kernel ABI: the one parameter block every forward kernel takes by value.
-// Mirrored field for field by `FcParams` in src/cuda/params.rs (#[repr(C)]); change both together.
+// Mirrored field for field by `FcParams` in kernels/params.rs (#[repr(C)]); build.rs asserts every
+// field's offset and size and the struct's size here at compile time, so change both together.
 #pragma once
 #include <stdint.h>
 
@@ -68,4 +69,19 @@ struct FcParams {
     // sm90 forward, persistent grid: a zeroed int32 the CTAs draw their next tile from (dynamic
     // schedule), or null for the static round-robin schedule. Ignored by the sm80 kernels.
     int32_t* tile_counter;
+};
+
+// What a compiled kernel needs from its launch and what it can compute, stated by its
+// instantiation macro (sm80/fwd.cuh, sm80/decode.cuh, sm90/fwd.cuh) as `fc_facts_<symbol>`. The
+// generated translation unit asserts at compile time that every field equals what the variant
+// table (kernels/variants.rs) states about that kernel, so the host launch and the kernel agree
+// by construction, not by comment.
+struct FcKernelFacts {
+    uint32_t smem_bytes;  // dynamic shared memory the kernel is launched with (`smem_bytes`)
+    bool softcap_body;    // computes softcap / ALiBi scores (`computes_modifiers`)
+    bool tma_pages;       // reads a paged K/V pool through the page table by TMA (`tma_pages`)
+    bool paged_twin;      // reads K/V only from a paged pool, one box per page (`paged`)
+    bool kv_split;        // a key-split twin, launched in clusters (`kv_split`)
+    int width;            // head-dim columns computed: HEAD_DIM, or a narrow twin's (`width`)
+    int q_stages;         // Q buffers (`q_stages`)
 };

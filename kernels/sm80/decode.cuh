@@ -214,6 +214,12 @@ __device__ __forceinline__ int balanced_tps(const FcParams& p, int nsplit) {
 }
 
 // ---------------------------------------------------------------- split kernel
+// Dynamic shared memory of a split kernel: the packed Q tile, then S stages of a K and a V tile
+// (the epilogue reuses it).
+__host__ __device__ constexpr uint32_t split_smem_bytes(int D, int BM, int BN, int S) {
+    return (uint32_t)((BM + 2 * S * BN) * D * 2);
+}
+
 template <typename T, int D, int MASK, int BM, int BN, int W, int S, int PF = 128>
 __device__ __forceinline__ void split_kernel(const FcParams& p) {
     constexpr int THREADS = W * 32;
@@ -229,7 +235,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     static_assert(THREADS % CPR == 0, "32*WARPS must be a multiple of HEAD_DIM/8");
     static_assert((BN * CPR) % THREADS == 0 && (BM * CPR) % THREADS == 0, "tile/thread mismatch");
     // epilogue scratch (per-warp O, m, l) must fit in the dynamic smem
-    static_assert(W * 16 * (D + 8) * 4 + W * 16 * 2 * 4 <= (BM + 2 * S * BN) * D * 2, "epilogue smem");
+    static_assert(W * 16 * (D + 8) * 4 + W * 16 * 2 * 4 <= split_smem_bytes(D, BM, BN, S), "epilogue smem");
 
     extern __shared__ __align__(128) unsigned char fc_decode_smem[];
     pdl_wait();               // inputs of a preceding kernel (no-op without PDL)
@@ -886,7 +892,9 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
 #define FC_SM80_DECODE(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES)                  \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32) SYMBOL(const __grid_constant__ FcParams p) { \
         fc_decode::split_kernel<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES>(p);                \
-    }
+    }                                                                                                   \
+    constexpr FcKernelFacts fc_facts_##SYMBOL{                                                          \
+        fc_decode::split_smem_bytes(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES), true, false, false, false, HEAD_DIM, 1};
 
 #define FC_SM80_COMBINE(SYMBOL, T, HEAD_DIM)                                                \
     extern "C" __global__ void __launch_bounds__(256) SYMBOL(const __grid_constant__ FcParams p) { \

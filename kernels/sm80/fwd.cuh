@@ -1108,4 +1108,8 @@ __device__ __forceinline__ bool fwd_narrow(const FcParams& p, int D) {
         } else {                                                                               \
             fc_sm80::fwd_body<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT>(p);   \
         }                                                                                      \
-    }
+    }                                                                                          \
+    constexpr FcKernelFacts fc_facts_##SYMBOL{                                                 \
+        (uint32_t)fc_sm80::fwd_smem_bytes(HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, OPT),     \
+        ((OPT) & fc_sm80::FWD_PAIR) != 0 || fc_sm80::fwd_has_cap_body(HEAD_DIM, BLOCK_N),      \
+        false, false, false, HEAD_DIM, 1};

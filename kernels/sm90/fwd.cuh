@@ -1231,7 +1231,11 @@ struct FwdSm90 {
                const __grid_constant__ CUtensorMap tm_o) {                                                  \
         static_assert((WARPS) == ((BLOCK_M) / 64 + 1) * 4, "sm90 fwd: WARPS = (BLOCK_M/64 + 1) * 4");       \
         fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DV, ILV, SPLIT, QS>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
-    }
+    }                                                                                                          \
+    constexpr FcKernelFacts fc_facts_##SYMBOL{                                                                 \
+        fc90::fwd_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, QS), CAP,                                     \
+        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DV, ILV, SPLIT, QS>::PAGED, \
+        ILV, SPLIT, DV, QS};
 // Ping-pong between consumer warpgroups for head_dim <= 128 (measured faster there), off for 256.
 #define FC_SM90_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS) \
     FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, false, QS)

@@ -84,7 +84,7 @@ pub(crate) fn function(
 
 /// The fatbin of `family`: the one embedded at build time or, when `FLASHCORE_FATBIN_DIR` is
 /// set and holds `fc_<family>.fatbin`, that file (a kernel-development aid: try a rebuilt
-/// kernel family with the same variant table without relinking; see dev/README.md).
+/// kernel family with the same variant table without relinking; see docs/kernel-development.md).
 fn fatbin_image(family: &str) -> Result<Vec<u8>, String> {
     if let Some(dir) = std::env::var_os("FLASHCORE_FATBIN_DIR") {
         let path = std::path::Path::new(&dir).join(format!("fc_{family}.fatbin"));
