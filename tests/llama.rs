@@ -11,8 +11,6 @@
 
 #[path = "../examples/llama/generate.rs"]
 mod generate;
-#[path = "../examples/llama/json.rs"]
-mod json;
 #[path = "../examples/llama/load.rs"]
 mod load;
 #[path = "../examples/llama/model.rs"]
@@ -202,16 +200,6 @@ fn attend_eager_matches_flashcore_on_cache_views() -> Result<()> {
             );
         }
     }
-    Ok(())
-}
-
-#[test]
-fn json_quote_round_trips() -> Result<()> {
-    let s = "a \"quoted\" \\ path\n\twith\u{1} control é";
-    assert_eq!(
-        json::Json::parse(&json::quote(s))?,
-        json::Json::Str(s.to_string())
-    );
     Ok(())
 }
 

@@ -10,8 +10,6 @@
 mod engine;
 #[path = "../examples/llama/generate.rs"]
 mod generate;
-#[path = "../examples/llama/json.rs"]
-mod json;
 #[path = "../examples/llama/load.rs"]
 mod load;
 #[path = "../examples/llama/model.rs"]
