@@ -5,7 +5,8 @@
 //!    config.json, tokenizer.json) loads through the example's `--model-dir` path.
 //! 2. SmolLM2-135M-Instruct (GGUF, Q4_1) answers "What is the capital of France?" with Paris.
 //!    The file comes from `scripts/fetch-smollm2.sh`; it is looked up in $FLASHCORE_SMOLLM2_GGUF,
-//!    then in the script's default cache. Without it the test says it is skipped and passes.
+//!    then in the script's default cache. Without it the test says it is skipped and passes, unless
+//!    FLASHCORE_REQUIRE_MODEL=1 (CI) makes the missing file a failure.
 
 #![allow(dead_code)] // the example's modules carry CLI-only helpers
 
