@@ -6,6 +6,8 @@
 # Logs go to $OUT (or ./gpu-logs).
 set -uo pipefail
 out=${OUT:-gpu-logs}; mkdir -p "$out"
+# This machine has a GPU: a test that finds none fails instead of skipping.
+export FLASHCORE_REQUIRE_GPU=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 rc=0
 for step in "${@:-all}"; do

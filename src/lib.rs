@@ -61,6 +61,7 @@
 //! `candle_core::Error::BackwardNotSupported`.
 
 mod cache;
+mod knobs;
 mod merge;
 mod op;
 mod params;

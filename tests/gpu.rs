@@ -1,6 +1,6 @@
-//! GPU tests (feature `cuda`): every test skips itself, saying so, when no CUDA device is present;
-//! with one, each compares the kernels against a CPU reference and can fail. One binary, so the
-//! packed bundle carries candle's PTX once.
+//! GPU tests (feature `cuda`): every test skips itself, saying so, when no CUDA device is present
+//! (FLASHCORE_REQUIRE_GPU=1 makes that a failure); with one, each compares the kernels against a
+//! CPU reference and can fail. One binary, so the packed bundle carries candle's PTX once.
 #![cfg(feature = "cuda")]
 
 mod common;

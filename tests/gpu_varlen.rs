@@ -1,5 +1,6 @@
 //! GPU tests of the packed variable-length API, every head dim that is a multiple of 8, and ALiBi
-//! on the GPU (feature `cuda`; every test skips itself, saying so, without a CUDA device).
+//! on the GPU (feature `cuda`; every test skips itself, saying so, without a CUDA device, or fails
+//! with FLASHCORE_REQUIRE_GPU=1).
 //!
 //! Tolerance rule (as in tests/gpu.rs): the GPU error against the truth is at most 2x the error
 //! of the naive same-precision composition (`attention_slow` per sequence, on the GPU, in the

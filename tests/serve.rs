@@ -2,7 +2,8 @@
 //! pool, chunked prompts, decode and prefill in the same step, preemption and recomputation)
 //! and static batching must give every request exactly the tokens it gets when run alone.
 //! Models: the tiny random LLaMA of tests/fixtures and SmolLM2-135M-Instruct (GGUF; skipped
-//! with a message when scripts/fetch-smollm2.sh has not fetched it).
+//! with a message when scripts/fetch-smollm2.sh has not fetched it, a failure with
+//! FLASHCORE_REQUIRE_MODEL=1).
 
 #![allow(dead_code)] // the example's modules carry CLI-only helpers
 
@@ -10,8 +11,6 @@
 mod engine;
 #[path = "../examples/llama/generate.rs"]
 mod generate;
-#[path = "../examples/llama/json.rs"]
-mod json;
 #[path = "../examples/llama/load.rs"]
 mod load;
 #[path = "../examples/llama/model.rs"]

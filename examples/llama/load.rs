@@ -12,9 +12,9 @@ use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::json::Json;
 use crate::model::{AttnBackend, Config, Model};
 use crate::tokenizer::{gguf_int, TextTokenizer};
+use serde_json::Value;
 
 /// Where the weights come from, as command-line options (examples/llama and examples/serve
 /// flatten it into their arguments).
@@ -199,15 +199,33 @@ pub struct ModelFiles {
     pub weights: Vec<PathBuf>,
 }
 
+/// A JSON file (config.json, tokenizer_config.json, a safetensors index) as a value tree.
+pub fn read_json(path: &Path) -> Result<Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// A JSON number that is a non-negative integer (`4096` or `4096.0`) as a `usize`.
+pub fn json_usize(v: &Value) -> Option<usize> {
+    match v.as_u64() {
+        Some(n) => usize::try_from(n).ok(),
+        None => v
+            .as_f64()
+            .filter(|x| *x >= 0.0 && x.fract() == 0.0 && *x <= usize::MAX as f64)
+            .map(|x| x as usize),
+    }
+}
+
 const INDEX: &str = "model.safetensors.index.json";
 const SINGLE: &str = "model.safetensors";
 
 /// The shard files named in a `model.safetensors.index.json`, sorted, each once.
 fn shard_names(index: &Path) -> Result<Vec<String>> {
-    let j = Json::from_file(index)?;
+    let j = read_json(index)?;
     let map = j
         .get("weight_map")
-        .and_then(Json::as_object)
+        .and_then(Value::as_object)
         .context("index: missing `weight_map`")?;
     let mut names = map
         .values()
@@ -324,7 +342,7 @@ pub fn load_files(
     device: &Device,
     attn: AttnBackend,
 ) -> Result<(Model, Option<TextTokenizer>)> {
-    let cfg = Config::from_hf_json(&Json::from_file(&files.config)?)?;
+    let cfg = Config::from_hf_json(&read_json(&files.config)?)?;
     let tokenizer = match &files.tokenizer {
         Some(t) => Some(TextTokenizer::from_hf_files(
             t,

@@ -13,7 +13,6 @@
 //! exactly one JSON line.
 
 mod generate;
-mod json;
 mod load;
 #[allow(dead_code)] // also examples/serve's model: its paged batches are unused here
 mod model;
@@ -27,9 +26,9 @@ use std::io::Write;
 use generate::{
     common_prefix, generate, teacher_forced_agreement, warmup, GenStats, Generation, Sampler,
 };
-use json::quote;
 use load::{RunArgs, SourceArgs};
 use model::{AttnBackend, KvCache, Model};
+use serde_json::json;
 use tokenizer::TextTokenizer;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -160,7 +159,7 @@ fn stats_json(backend: AttnBackend, g: &Generation, text: Option<&str>) -> Strin
     };
     let mut out = format!(
         "{{\"attn\":{},\"prompt_tokens\":{},\"generated_tokens\":{},\"ttft_ms\":{:.3},\"prefill_tok_s\":{:.3},\"decode_tok_s\":{},\"peak_mem_bytes\":{},\"hit_eos\":{},\"tokens\":{:?}",
-        quote(backend.name()),
+        json!(backend.name()),
         s.prompt_tokens,
         s.generated_tokens,
         s.ttft.as_secs_f64() * 1e3,
@@ -171,7 +170,7 @@ fn stats_json(backend: AttnBackend, g: &Generation, text: Option<&str>) -> Strin
         g.tokens,
     );
     if let Some(t) = text {
-        out += &format!(",\"text\":{}", quote(t));
+        out += &format!(",\"text\":{}", json!(t));
     }
     out + "}"
 }
@@ -374,9 +373,9 @@ fn main() -> Result<()> {
         if args.json {
             println!(
                 "{{\"mode\":\"agreement\",\"model\":{},\"dtype\":\"{}\",\"device\":{},\"prompt_tokens\":{},\"positions\":{},\"decode_agree\":{:.6},\"prefill_agree\":{:.6},\"max_abs_logit_diff\":{}}}",
-                quote(&loaded.description),
+                json!(&loaded.description),
                 dtype_name(dtype),
-                quote(&device_name(&device)),
+                json!(&device_name(&device)),
                 run.prompt.len(),
                 a.positions,
                 frac(a.decode_agree),
@@ -430,9 +429,9 @@ fn main() -> Result<()> {
         if args.json {
             println!(
                 "{{\"mode\":\"compare\",\"model\":{},\"dtype\":\"{}\",\"device\":{},\"agree_tokens\":{agree},\"compared_tokens\":{compared},\"eager\":{},\"flashcore\":{}}}",
-                quote(&loaded.description),
+                json!(&loaded.description),
                 dtype_name(dtype),
-                quote(&device_name(&device)),
+                json!(&device_name(&device)),
                 stats_json(results[0].0, &results[0].1, results[0].2.as_deref()),
                 stats_json(results[1].0, &results[1].1, results[1].2.as_deref()),
             );
@@ -455,9 +454,9 @@ fn main() -> Result<()> {
     if args.json {
         println!(
             "{{\"mode\":\"generate\",\"model\":{},\"dtype\":\"{}\",\"device\":{},\"result\":{}}}",
-            quote(&loaded.description),
+            json!(&loaded.description),
             dtype_name(dtype),
-            quote(&device_name(&device)),
+            json!(&device_name(&device)),
             stats_json(attn, &g, text.as_deref()),
         );
     }

@@ -13,7 +13,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
 
-use crate::json::Json;
+use crate::load::json_usize;
+use serde_json::Value;
 
 /// Which attention implementation the decoder calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,24 +67,24 @@ pub struct Config {
 impl Config {
     /// Reads a Hugging Face `config.json` (`LlamaForCausalLM`, `Qwen2ForCausalLM` and
     /// look-alikes). Fields that are absent take the transformers defaults.
-    pub fn from_hf_json(j: &Json) -> Result<Config> {
+    pub fn from_hf_json(j: &Value) -> Result<Config> {
         let req = |k: &str| -> Result<usize> {
             j.get(k)
-                .and_then(Json::as_usize)
+                .and_then(json_usize)
                 .with_context(|| format!("config.json: missing or bad `{k}`"))
         };
-        let opt_f = |k: &str, default: f64| j.get(k).and_then(Json::as_f64).unwrap_or(default);
+        let opt_f = |k: &str, default: f64| j.get(k).and_then(Value::as_f64).unwrap_or(default);
         let hidden_size = req("hidden_size")?;
         let num_attention_heads = req("num_attention_heads")?;
         let num_key_value_heads = j
             .get("num_key_value_heads")
-            .and_then(Json::as_usize)
+            .and_then(json_usize)
             .unwrap_or(num_attention_heads);
         let head_dim = j
             .get("head_dim")
-            .and_then(Json::as_usize)
+            .and_then(json_usize)
             .unwrap_or(hidden_size / num_attention_heads);
-        if let Some(act) = j.get("hidden_act").and_then(Json::as_str) {
+        if let Some(act) = j.get("hidden_act").and_then(Value::as_str) {
             if act != "silu" {
                 bail!("config.json: hidden_act `{act}` is not supported (only silu / SwiGLU)")
             }
@@ -94,13 +95,13 @@ impl Config {
                 let kind = rs
                     .get("rope_type")
                     .or_else(|| rs.get("type"))
-                    .and_then(Json::as_str)
+                    .and_then(Value::as_str)
                     .unwrap_or("");
                 match kind {
                     "llama3" => {
                         let f = |k: &str| {
                             rs.get(k)
-                                .and_then(Json::as_f64)
+                                .and_then(Value::as_f64)
                                 .with_context(|| format!("rope_scaling: missing `{k}`"))
                         };
                         Some(Llama3RopeScaling {
@@ -118,14 +119,12 @@ impl Config {
                 }
             }
         };
-        let ids = |v: Option<&Json>| -> Vec<u32> {
+        let ids = |v: Option<&Value>| -> Vec<u32> {
             match v {
-                Some(Json::Num(x)) => vec![*x as u32],
-                Some(Json::Arr(a)) => a
-                    .iter()
-                    .filter_map(Json::as_usize)
-                    .map(|x| x as u32)
-                    .collect(),
+                Some(Value::Number(x)) => x.as_f64().map(|x| x as u32).into_iter().collect(),
+                Some(Value::Array(a)) => {
+                    a.iter().filter_map(json_usize).map(|x| x as u32).collect()
+                }
                 _ => vec![],
             }
         };
@@ -143,11 +142,11 @@ impl Config {
             rope_freq_factors: None,
             max_position_embeddings: j
                 .get("max_position_embeddings")
-                .and_then(Json::as_usize)
+                .and_then(json_usize)
                 .unwrap_or(4096),
             tie_word_embeddings: j
                 .get("tie_word_embeddings")
-                .and_then(Json::as_bool)
+                .and_then(Value::as_bool)
                 .unwrap_or(false),
             bos_token_id: ids(j.get("bos_token_id")).first().copied(),
             eos_token_ids: ids(j.get("eos_token_id")),

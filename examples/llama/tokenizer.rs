@@ -26,7 +26,7 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::NormalizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
-use crate::json::Json;
+use serde_json::Value;
 
 /// Single-turn chat prompt formats.
 #[derive(Clone, Debug, PartialEq)]
@@ -144,28 +144,28 @@ impl TextTokenizer {
         let mut chat = None;
         let mut eos_names = Vec::new();
         if let Some(path) = tokenizer_config {
-            let tc = Json::from_file(path)?;
+            let tc = crate::load::read_json(path)?;
             let template = match tc.get("chat_template") {
-                Some(Json::Str(s)) => Some(s.clone()),
+                Some(Value::String(s)) => Some(s.clone()),
                 // A list of named templates: take "default", else the first.
                 Some(other) => other
                     .as_array()
                     .and_then(|list| {
                         list.iter()
-                            .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
                             .or(list.first())
                     })
                     .and_then(|t| t.get("template"))
-                    .and_then(Json::as_str)
+                    .and_then(Value::as_str)
                     .map(str::to_string),
                 _ => None,
             };
             chat = template.as_deref().and_then(ChatFormat::detect);
             match tc.get("eos_token") {
-                Some(Json::Str(s)) => eos_names.push(s.clone()),
+                Some(Value::String(s)) => eos_names.push(s.clone()),
                 Some(obj) => eos_names.extend(
                     obj.get("content")
-                        .and_then(Json::as_str)
+                        .and_then(Value::as_str)
                         .map(str::to_string),
                 ),
                 None => {}

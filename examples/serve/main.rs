@@ -18,9 +18,6 @@
 #[path = "../llama/generate.rs"]
 mod generate;
 #[allow(dead_code)]
-#[path = "../llama/json.rs"]
-mod json;
-#[allow(dead_code)]
 #[path = "../llama/load.rs"]
 mod load;
 #[allow(dead_code)]
@@ -40,9 +37,9 @@ use std::path::PathBuf;
 
 use engine::{KvPool, Limits, Options, Request};
 use generate::{device_mem_info, SplitMix64};
-use json::Json;
 use load::{RunArgs, SourceArgs};
 use model::{AttnBackend, Model};
+use serde_json::Value;
 use tokenizer::TextTokenizer;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -171,14 +168,14 @@ fn build_requests(args: &Args, tok: Option<&TextTokenizer>, vocab: usize) -> Res
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())
         {
-            let j = Json::parse(line)
+            let j: Value = serde_json::from_str(line)
                 .with_context(|| format!("{}:{}: not JSON", path.display(), n + 1))?;
-            let prompt = j.get("prompt").and_then(Json::as_str).with_context(|| {
+            let prompt = j.get("prompt").and_then(Value::as_str).with_context(|| {
                 format!("{}:{}: missing string `prompt`", path.display(), n + 1)
             })?;
             let max_new = j
                 .get("max_new_tokens")
-                .and_then(Json::as_usize)
+                .and_then(load::json_usize)
                 .unwrap_or(args.max_new_tokens);
             let ids = tok.encode_prompt(prompt, !args.no_chat, args.system.as_deref())?;
             if ids.is_empty() {

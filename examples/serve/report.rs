@@ -5,9 +5,9 @@ use anyhow::Result;
 use candle_core::{DType, Device};
 
 use crate::engine::{percentile, RunReport};
-use crate::json::quote;
 use crate::model::Config;
 use crate::tokenizer::TextTokenizer;
+use serde_json::json;
 
 /// Prints each request's result on stdout: a JSON line each with `json`, else one text line
 /// each (nothing with `quiet`).
@@ -37,7 +37,7 @@ pub fn print_requests(
                 f.hit_eos,
                 f.preempted,
                 f.tokens,
-                text.map(|t| format!(",\"text\":{}", quote(&t)))
+                text.map(|t| format!(",\"text\":{}", json!(&t)))
                     .unwrap_or_default(),
             );
         } else {
@@ -353,7 +353,7 @@ pub fn print_summary(
         let runs: Vec<String> = sums.iter().map(Summary::json).collect();
         println!(
             "{{\"summary\":{{\"model\":{},\"dtype\":\"{dtype:?}\",\"device\":\"{:?}\"}},\"runs\":[{}]}}",
-            quote(model),
+            json!(model),
             device.location(),
             runs.join(",")
         );

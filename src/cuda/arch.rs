@@ -1,9 +1,10 @@
 //! Which kernel family runs on which GPU: one `match` on the compute capability, plus the
 //! overrides (`FLASHCORE_ARCH=sm80|sm90` or [`set_arch_override`]; `FLASHCORE_SMEM_LIMIT=bytes`
-//! or [`set_smem_limit_override`]). The environment variables are read once per process.
+//! or [`set_smem_limit_override`]). The environment variables are read once per process
+//! (src/knobs.rs).
 
+use crate::knobs::knobs;
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
-use std::sync::OnceLock;
 
 /// A kernel family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,27 +50,7 @@ fn forced() -> candle_core::Result<Option<Arch>> {
         2 => return Ok(Some(Arch::Sm90)),
         _ => {}
     }
-    static ENV: OnceLock<Result<Option<Arch>, String>> = OnceLock::new();
-    env_once(&ENV, "FLASHCORE_ARCH", "sm80 or sm90", Arch::parse)
-}
-
-/// Environment variable `name`, read and parsed once per process (it is consulted on every
-/// call): unset or empty is `None`; a value `parse` rejects is an error naming the rule, on
-/// every call.
-fn env_once<T: Copy>(
-    cell: &'static OnceLock<Result<Option<T>, String>>,
-    name: &str,
-    rule: &str,
-    parse: fn(&str) -> Option<T>,
-) -> candle_core::Result<Option<T>> {
-    cell.get_or_init(|| match std::env::var(name) {
-        Ok(s) if !s.is_empty() => parse(&s)
-            .map(Some)
-            .ok_or_else(|| format!("flashcore: {name} must be {rule}, got {s:?}")),
-        _ => Ok(None),
-    })
-    .clone()
-    .map_err(candle_core::Error::Msg)
+    knobs().arch.clone().map_err(candle_core::Error::Msg)
 }
 
 /// The family for a GPU of compute capability `major.minor`.
@@ -110,11 +91,5 @@ pub fn smem_limit_override() -> candle_core::Result<Option<u32>> {
         0 => {}
         n => return Ok(Some(n)),
     }
-    static ENV: OnceLock<Result<Option<u32>, String>> = OnceLock::new();
-    env_once(
-        &ENV,
-        "FLASHCORE_SMEM_LIMIT",
-        "a positive number of bytes",
-        |s| s.trim().parse::<u32>().ok().filter(|&n| n > 0),
-    )
+    knobs().smem_limit.clone().map_err(candle_core::Error::Msg)
 }

@@ -3,6 +3,7 @@
 
 use super::params::FcParams;
 use super::variants;
+use crate::knobs::knobs;
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
@@ -86,8 +87,8 @@ pub(crate) fn function(
 /// set and holds `fc_<family>.fatbin`, that file (a kernel-development aid: try a rebuilt
 /// kernel family with the same variant table without relinking; see docs/kernel-development.md).
 fn fatbin_image(family: &str) -> Result<Vec<u8>, String> {
-    if let Some(dir) = std::env::var_os("FLASHCORE_FATBIN_DIR") {
-        let path = std::path::Path::new(&dir).join(format!("fc_{family}.fatbin"));
+    if let Some(dir) = &knobs().fatbin_dir {
+        let path = dir.join(format!("fc_{family}.fatbin"));
         if path.exists() {
             return std::fs::read(&path)
                 .map_err(|e| format!("reading {} (FLASHCORE_FATBIN_DIR): {e}", path.display()));
@@ -235,14 +236,11 @@ pub(crate) struct Ex {
 
 impl Ex {
     /// A programmatic dependent launch, unless `FLASHCORE_NO_PDL=1` (then an ordinary
-    /// stream-ordered launch, where `griddepcontrol.wait` is a no-op; for debugging, read once
-    /// per process).
+    /// stream-ordered launch, where `griddepcontrol.wait` is a no-op; for debugging;
+    /// src/knobs.rs).
     fn pdl() -> Ex {
-        static NO_PDL: OnceLock<bool> = OnceLock::new();
-        let off =
-            *NO_PDL.get_or_init(|| std::env::var_os("FLASHCORE_NO_PDL").is_some_and(|v| v != "0"));
         Ex {
-            pdl: !off,
+            pdl: !knobs().no_pdl,
             cluster: 1,
         }
     }
@@ -338,8 +336,7 @@ pub(crate) fn check_sync(
     kernel: &str,
     shape: Shape,
 ) -> candle_core::Result<()> {
-    static SYNC: OnceLock<bool> = OnceLock::new();
-    if *SYNC.get_or_init(|| std::env::var_os("FLASHCORE_SYNC").is_some_and(|v| v != "0")) {
+    if knobs().sync {
         stream
             .synchronize()
             .map_err(|e| err(kernel, shape, format!("failed while running: {e}")))?;

@@ -9,6 +9,7 @@ pub mod variants;
 
 pub use arch::{set_arch_override, set_smem_limit_override, Arch};
 
+use crate::knobs::knobs;
 use crate::op::Extra;
 use crate::params::{Keys, Mask, Problem, Seqs};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
@@ -29,9 +30,7 @@ pub fn set_poison_outputs(on: bool) {
 }
 
 fn poison_on() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    POISON.load(Ordering::Relaxed)
-        || *ENV.get_or_init(|| std::env::var_os("FLASHCORE_POISON").is_some_and(|v| v != "0"))
+    POISON.load(Ordering::Relaxed) || knobs().poison
 }
 
 /// Fills a CUDA tensor's storage with NaN (the pipeline check of the crate's tiny kernels).
@@ -315,19 +314,9 @@ fn kmask(m: Mask) -> KMask {
 
 /// `FLASHCORE_SKIP_VARIANTS=substr[,substr]`: the dispatcher passes over the variants whose
 /// symbol contains one of the substrings and takes the next candidate (an A/B aid for problem
-/// classes with several tiles, e.g. `d64_causal_128x128`). Read once.
+/// classes with several tiles, e.g. `d64_causal_128x128`; src/knobs.rs).
 fn skipped(v: &Variant) -> bool {
-    static ENV: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-    let skip = ENV.get_or_init(|| {
-        std::env::var("FLASHCORE_SKIP_VARIANTS")
-            .map(|s| {
-                s.split(',')
-                    .filter(|x| !x.is_empty())
-                    .map(String::from)
-                    .collect()
-            })
-            .unwrap_or_default()
-    });
+    let skip = &knobs().skip_variants;
     !skip.is_empty() && {
         let sym = v.symbol();
         skip.iter().any(|x| sym.contains(x.as_str()))
@@ -352,17 +341,15 @@ fn sm90_dynamic(v: &Variant, mask: Mask, m_blocks: usize) -> bool {
 }
 
 /// `FLASHCORE_SM90_CAUSAL=static`: causal sm90 problems take the static grids (no tile
-/// counter) instead of the dynamic schedule. Read once.
+/// counter) instead of the dynamic schedule (src/knobs.rs).
 fn causal_static() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENV.get_or_init(|| std::env::var("FLASHCORE_SM90_CAUSAL").is_ok_and(|v| v == "static"))
+    knobs().sm90_causal_static
 }
 
 /// `FLASHCORE_PAGED_GATHER=1`: paged prefill gathers the pages into dense scratch on sm90 too
 /// (instead of the kernels reading the pool through the page table): an A/B aid.
 fn paged_gather_forced() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENV.get_or_init(|| std::env::var("FLASHCORE_PAGED_GATHER").is_ok_and(|v| v == "1"))
+    knobs().paged_gather
 }
 
 /// Shared memory per block the dispatcher may plan with: the device's opt-in limit, lowered by
@@ -406,15 +393,9 @@ fn decode_beats_starved_prefill(p: &Problem, sms: usize) -> bool {
 /// -> 18.1. Clusters of 4 ran as slowly as one CTA per tile or worse (H100 1 x 8 x 512 x 64 24.2
 /// us; 1 x 32/8 x 64 over 4k 50.2), as if the GPU did not hold 32 of them at once (not queried).
 /// `FLASHCORE_SM90_KV_SPLITS=1|2|4` forces the count wherever the clusters fit one wave (an A/B
-/// aid; read once).
+/// aid; src/knobs.rs).
 fn kv_splits(p: &Problem, sms: usize) -> usize {
-    static ENV: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = *ENV.get_or_init(|| {
-        std::env::var("FLASHCORE_SM90_KV_SPLITS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|n| matches!(n, 1 | 2 | 4))
-    });
+    let forced = knobs().sm90_kv_splits;
     let tiles = p.sq.div_ceil(variants::SM90_SMALL_BLOCK_M as usize) * p.hq * p.b;
     match forced {
         Some(n) if tiles * n <= sms => n,
@@ -610,17 +591,15 @@ pub fn decode_num_splits(
 }
 
 /// `FLASHCORE_DECODE_EVEN=1`: split-KV decodes split evenly, never balanced over the batch's
-/// lengths (an A/B aid). Read once.
+/// lengths (an A/B aid; src/knobs.rs).
 fn even_splits_forced() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENV.get_or_init(|| std::env::var("FLASHCORE_DECODE_EVEN").is_ok_and(|v| v == "1"))
+    knobs().decode_even
 }
 
 /// `FLASHCORE_DECODE_OCCUPANCY=full`: split-KV decode grids run as many CTAs per SM as their
-/// shared memory allows, never capped by `decode_capped_smem` (an A/B aid). Read once.
+/// shared memory allows, never capped by `decode_capped_smem` (an A/B aid; src/knobs.rs).
 fn full_occupancy_forced() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENV.get_or_init(|| std::env::var("FLASHCORE_DECODE_OCCUPANCY").is_ok_and(|v| v == "full"))
+    knobs().decode_full_occupancy
 }
 
 /// Dynamic shared memory that caps a one-split decode grid of `ctas` blocks at fewer resident
@@ -749,10 +728,9 @@ fn decode_grid(p: &Problem, variant: &Variant, info: &DeviceInfo) -> DecodeGrid 
 }
 
 /// `FLASHCORE_DECODE_CLUSTER=1`: split-KV decode grids launch without thread-block clusters
-/// (an A/B aid; `decode_cluster`). Read once.
+/// (an A/B aid; `decode_cluster`; src/knobs.rs).
 fn decode_cluster_off() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENV.get_or_init(|| std::env::var("FLASHCORE_DECODE_CLUSTER").is_ok_and(|v| v == "1"))
+    knobs().decode_cluster_off
 }
 
 /// Thread-block cluster size of a split-KV decode launch: 2 for one-split grids of an even

@@ -5,7 +5,9 @@ use candle_core::Device;
 use flashcore::cuda::{set_arch_override, set_poison_outputs, set_smem_limit_override, Arch};
 
 /// CUDA device 0 with a fresh generator seed (printed; FLASHCORE_TEST_SEED reproduces one), or
-/// `None` after printing "skipped: no CUDA device" (CI greps for it).
+/// `None` after printing "skipped: no CUDA device" (CI greps for it). With
+/// FLASHCORE_REQUIRE_GPU set (to anything but 0) a missing device fails the test instead, so a
+/// GPU run that quietly found no GPU cannot pass.
 pub fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
         Ok(d) => {
@@ -23,6 +25,9 @@ pub fn gpu() -> Option<Device> {
             Some(d)
         }
         Err(e) => {
+            if std::env::var_os("FLASHCORE_REQUIRE_GPU").is_some_and(|v| v != "0") {
+                panic!("FLASHCORE_REQUIRE_GPU is set but there is no CUDA device: {e}");
+            }
             println!("skipped: no CUDA device ({e})");
             None
         }

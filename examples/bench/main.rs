@@ -14,11 +14,23 @@
 //!   ... --shape 0,32,8,1,0,128 --paged 64 --kv-lens mixed:256:128:2560 --backend paged
 //!       (a serving engine's decode batch: each sequence reads its own number of cached keys;
 //!        GB/s count only those)
+//!   ... --grid fa3 --backend all --json > fa3.jsonl
+//!   ... --plot-from fa3.jsonl,sdpa.jsonl,fa4.jsonl --plot docs/charts/fa3
+//!       (SVG charts, no device needed: TFLOPS per shape with one series per backend, and
+//!        flashcore's TFLOPS over each other backend's; `--plot` after a run charts its own rows)
+//!
+//! `--verify` judges every flashcore row (flashcore, paged, varlen) against the CPU reference
+//! with the tolerance of examples/bench/judge.rs, prints FAIL rows and exits non-zero on any.
+
+mod judge;
+mod plot;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use flashcore::{AttnParams, Mask};
+use judge::Verdict;
+use serde_json::{json, Value};
 use std::time::Instant;
 
 #[derive(Parser, Debug)]
@@ -42,9 +54,28 @@ struct Args {
     /// Force a kernel family: sm80 or sm90.
     #[arg(long)]
     force_arch: Option<String>,
-    /// Compare the last rows of each output with the CPU reference and report the max error.
+    /// Judge each flashcore row (backends flashcore, paged, varlen; eager is reported, not
+    /// judged) against flashcore's CPU path in f32 on the same inputs: the last 64 query rows of
+    /// batch 0 (varlen: the first and last sequences). A row passes when max |out - ref| <= tol *
+    /// max |ref|, tol = 2e-2 for bf16, 4e-3 for f16, 1e-4 for f32, and every output element is
+    /// finite; failing rows print FAIL and the run exits non-zero.
     #[arg(long)]
     verify: bool,
+    /// Add this to every judged output before --verify compares it, to show the check failing:
+    /// 0.5 fails every row (the outputs of the bench's N(0, 1) inputs stay far below
+    /// 0.5 / 2e-2 = 25 in magnitude).
+    #[arg(long, default_value_t = 0.0, requires = "verify")]
+    perturb_output: f64,
+    /// Write SVG charts: PATH.svg (TFLOPS per shape, one series per backend) and PATH-ratio.svg
+    /// (flashcore's TFLOPS over each other backend's), PATH without or with `.svg`. Charts the
+    /// rows just run, or those of --plot-from.
+    #[arg(long)]
+    plot: Option<String>,
+    /// Chart these JSONL files (comma-separated) instead of running anything: this bench's
+    /// --json rows, the anchor scripts' rows (sdpa_anchor.py, fa4_anchor.py) or any lines with
+    /// backend, b, hq, hkv, sq, sk, d, causal and tflops. Needs --plot.
+    #[arg(long, requires = "plot")]
+    plot_from: Option<String>,
     /// One JSON object per line instead of the human-readable lines.
     #[arg(long)]
     json: bool,
@@ -448,6 +479,22 @@ fn time_call(
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if let (Some(out), Some(files)) = (&args.plot, &args.plot_from) {
+        let mut rows = Vec::new();
+        for f in files.split(',').filter(|f| !f.is_empty()) {
+            rows.extend(plot::read_jsonl(std::path::Path::new(f))?);
+        }
+        for path in plot::write_charts(&rows, out)? {
+            eprintln!("wrote {}", path.display());
+        }
+        return Ok(());
+    }
+    if !args.perturb_output.is_finite() {
+        bail!(
+            "--perturb-output must be a finite number, got {}",
+            args.perturb_output
+        );
+    }
     if !(args.heat.is_finite() && args.heat >= 0.0) {
         bail!("--heat must be a number of seconds >= 0, got {}", args.heat);
     }
@@ -596,9 +643,10 @@ fn main() -> Result<()> {
             args.timing
         );
     }
+    let mut rows: Vec<Value> = Vec::new();
     for p in problems {
         if p.lens.is_some() {
-            run_varlen(&args, &dev, dtype, &p)?;
+            run_varlen(&args, &dev, dtype, &p, &mut rows)?;
             continue;
         }
         // Enough input sets to exceed the L2 cache (50 MB on an H100) between reuses.
@@ -661,17 +709,6 @@ fn main() -> Result<()> {
                 }
             };
             let arch = arch_name(backend, &dev, &params, &sets[0]);
-            let page = match (args.paged, backend) {
-                (None, _) => String::new(),
-                (Some(ps), "paged") => format!(
-                    ",\"page\":{ps},\"page_order\":\"{}\"{}",
-                    args.page_order,
-                    args.kv_lens
-                        .as_ref()
-                        .map_or(String::new(), |l| format!(",\"kv_lens\":\"{l}\""))
-                ),
-                (Some(_), _) => ",\"page\":null".into(),
-            };
             let call = |i: usize| -> Result<()> {
                 run(i)?;
                 Ok(())
@@ -680,11 +717,17 @@ fn main() -> Result<()> {
             let (status, us, err) = match res {
                 Ok(us) => {
                     let err = if args.verify {
-                        Some(verify(&run(0)?, &sets[0], &params)?)
+                        let judged = backend != "eager";
+                        let out = run(0)?;
+                        let perturb = if judged { args.perturb_output } else { 0.0 };
+                        Some((
+                            judge::check_dense(&out, &sets[0], &params, perturb)?,
+                            judged,
+                        ))
                     } else {
                         None
                     };
-                    ("OK", us, err)
+                    (verdict_status(err), us, err)
                 }
                 Err(e) => {
                     eprintln!("{backend} {p:?}: {e}");
@@ -700,20 +743,34 @@ fn main() -> Result<()> {
                 _ => p.bytes(dtype.size_in_bytes()),
             };
             let gbps = bytes / us / 1e3;
+            let mut row = json!({
+                "backend": backend, "arch": arch, "dtype": args.dtype,
+                "b": p.b, "hq": p.hq, "hkv": p.hkv, "sq": p.sq, "sk": p.sk, "d": p.d,
+                "causal": p.causal, "softcap": args.softcap.unwrap_or(0.0),
+                "us": json_num(us), "tflops": json_num(tflops), "gbps": json_num(gbps),
+                "timing": args.timing, "status": status,
+            });
+            add_verdict(&mut row, err);
+            match (args.paged, backend) {
+                (None, _) => {}
+                (Some(ps), "paged") => {
+                    row["page"] = json!(ps);
+                    row["page_order"] = json!(args.page_order);
+                    if let Some(l) = &args.kv_lens {
+                        row["kv_lens"] = json!(l);
+                    }
+                }
+                (Some(_), _) => row["page"] = Value::Null,
+            }
             if args.json {
-                println!(
-                    "{{\"backend\":\"{backend}\",\"arch\":\"{arch}\",\"dtype\":\"{}\",\"b\":{},\"hq\":{},\"hkv\":{},\"sq\":{},\"sk\":{},\"d\":{},\"causal\":{},\"softcap\":{},\"us\":{},\"tflops\":{},\"gbps\":{},\"max_err\":{},\"timing\":\"{}\",\"status\":\"{status}\"{page}}}",
-                    args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d, p.causal, args.softcap.unwrap_or(0.0),
-                    json_num(us), json_num(tflops), json_num(gbps), err.map_or("null".into(), json_num),
-                    args.timing
-                );
+                println!("{row}");
             } else {
                 let perf = if p.sq <= 16 {
                     format!("{gbps:8.1} GB/s")
                 } else {
                     format!("{tflops:6.1} TFLOPS")
                 };
-                let e = err.map_or(String::new(), |e| format!("  max_err {e:.2e}"));
+                let e = verdict_text(err);
                 println!(
                     "[{status}] {backend:<9} {arch:<6} {} b{} h{}/{} s{}/{} d{}{}{}{} : {us:9.1} us {perf}{e}",
                     args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d, if p.causal { " causal" } else { "" },
@@ -721,16 +778,78 @@ fn main() -> Result<()> {
                     match (args.paged, backend) { (Some(ps), "paged") => format!(" page {ps} {}", args.page_order), _ => String::new() }
                 );
             }
+            rows.push(row);
         }
     }
+    finish(&args, &rows)
+}
+
+/// After the last row: the charts of `--plot`, then the verdict of `--verify` as the exit status.
+fn finish(args: &Args, rows: &[Value]) -> Result<()> {
+    if let Some(out) = &args.plot {
+        let rows: Vec<plot::Row> = rows.iter().filter_map(plot::Row::from_value).collect();
+        for path in plot::write_charts(&rows, out)? {
+            eprintln!("wrote {}", path.display());
+        }
+    }
+    let failed = rows.iter().filter(|r| r["status"] == "FAIL").count();
+    if failed > 0 {
+        bail!(
+            "--verify: {failed} of {} rows FAILED (tolerance: --help, --verify)",
+            rows.len()
+        );
+    }
     Ok(())
+}
+
+/// A row's status: `FAIL` when --verify judged it and it failed, else `OK`.
+fn verdict_status(err: Option<(Verdict, bool)>) -> &'static str {
+    match err {
+        Some((v, true)) if !v.pass() => "FAIL",
+        _ => "OK",
+    }
+}
+
+/// The --verify columns of a JSON row (absent without --verify).
+fn add_verdict(row: &mut Value, err: Option<(Verdict, bool)>) {
+    let num = |x: f64| if x.is_finite() { json!(x) } else { Value::Null };
+    row["max_err"] = err.map_or(Value::Null, |(v, _)| num(v.max_err));
+    if let Some((v, judged)) = err {
+        row["rel_err"] = num(v.rel_err());
+        row["tol"] = if judged { json!(v.tol) } else { Value::Null };
+    }
+}
+
+/// The --verify columns of a text row.
+fn verdict_text(err: Option<(Verdict, bool)>) -> String {
+    match err {
+        None => String::new(),
+        Some((v, true)) => format!(
+            "  max_err {:.2e} rel {:.2e} {} tol {:.0e}",
+            v.max_err,
+            v.rel_err(),
+            if v.pass() { "<=" } else { "> FAIL" },
+            v.tol
+        ),
+        Some((v, false)) => format!(
+            "  max_err {:.2e} rel {:.2e} (not judged)",
+            v.max_err,
+            v.rel_err()
+        ),
+    }
 }
 
 /// A packed batch (`--varlen`): `varlen` times one attention_varlen call over the packed
 /// sequences, `padded` the dense call on the batch padded to its longest sequence (what a caller
 /// without varlen pays); both report TFLOPS of the useful (unpadded) work. `--verify` compares
 /// the varlen output of the first and last sequences with the CPU reference.
-fn run_varlen(args: &Args, dev: &Device, dtype: DType, p: &Problem) -> Result<()> {
+fn run_varlen(
+    args: &Args,
+    dev: &Device,
+    dtype: DType,
+    p: &Problem,
+    rows: &mut Vec<Value>,
+) -> Result<()> {
     let lens = p.lens.clone().unwrap_or_default();
     let total: usize = lens.iter().sum();
     let max = p.sq;
@@ -783,55 +902,55 @@ fn run_varlen(args: &Args, dev: &Device, dtype: DType, p: &Problem) -> Result<()
         };
         let err = if args.verify && backend == "varlen" && status == "OK" {
             let o = run()?;
-            let mut worst = 0f64;
+            let mut worst: Option<Verdict> = None;
             for i in [0, lens.len() - 1] {
                 let (a, l) = (cu.get(i)?.to_scalar::<u32>()? as usize, lens[i]);
                 if l == 0 {
                     continue;
                 }
-                let cpu = Device::Cpu;
-                let f = |t: &Tensor| -> candle_core::Result<Tensor> {
-                    t.narrow(0, a, l)?
-                        .unsqueeze(0)?
-                        .to_device(&cpu)?
-                        .to_dtype(DType::F32)
-                };
-                let want = flashcore::attention(&f(&q)?, &f(&k)?, &f(&v)?, &params)?;
-                let got = f(&o)?;
-                let e = (got - want)?
-                    .abs()?
-                    .flatten_all()?
-                    .max(0)?
-                    .to_scalar::<f32>()? as f64;
-                worst = worst.max(e);
+                let v =
+                    judge::check_packed_seq(&o, (&q, &k, &v), a, l, &params, args.perturb_output)?;
+                worst = Some(worst.map_or(v, |w| w.worst(v)));
             }
-            Some(worst)
+            worst.map(|v| (v, true))
         } else {
             None
         };
-        let tflops = p.flops() / us / 1e6;
-        if args.json {
-            println!(
-                "{{\"backend\":\"{backend}\",\"arch\":\"varlen\",\"dtype\":\"{}\",\"b\":{},\"hq\":{},\"hkv\":{},\"sq\":{},\"sk\":{},\"d\":{},\"causal\":{},\"softcap\":{},\"us\":{},\"tflops\":{},\"gbps\":null,\"max_err\":{},\"timing\":\"{}\",\"status\":\"{status}\",\"varlen\":true,\"tokens\":{total},\"padded_tokens\":{padded_tokens}}}",
-                args.dtype, lens.len(), p.hq, p.hkv, max, max, p.d, p.causal, args.softcap.unwrap_or(0.0),
-                json_num(us), json_num(tflops), err.map_or("null".into(), json_num), args.timing
-            );
+        let status = if status == "OK" {
+            verdict_status(err)
         } else {
-            let e = err.map_or(String::new(), |e| format!("  max_err {e:.2e}"));
+            status
+        };
+        let tflops = p.flops() / us / 1e6;
+        let mut row = json!({
+            "backend": backend, "arch": "varlen", "dtype": args.dtype,
+            "b": lens.len(), "hq": p.hq, "hkv": p.hkv, "sq": max, "sk": max, "d": p.d,
+            "causal": p.causal, "softcap": args.softcap.unwrap_or(0.0),
+            "us": json_num(us), "tflops": json_num(tflops), "gbps": Value::Null,
+            "timing": args.timing, "status": status,
+            "varlen": true, "tokens": total, "padded_tokens": padded_tokens,
+        });
+        add_verdict(&mut row, err);
+        if args.json {
+            println!("{row}");
+        } else {
+            let e = verdict_text(err);
             println!(
                 "[{status}] {backend:<9} {} {} seqs ({total} tokens, padded {padded_tokens}) h{}/{} d{}{} : {us:9.1} us {tflops:6.1} TFLOPS{e}",
                 args.dtype, lens.len(), p.hq, p.hkv, p.d, if p.causal { " causal" } else { "" }
             );
         }
+        rows.push(row);
     }
     Ok(())
 }
 
-fn json_num(x: f64) -> String {
+/// A JSON number rounded to 4 decimals, `null` when not finite (a failed case).
+fn json_num(x: f64) -> Value {
     if x.is_finite() {
-        format!("{x:.4}")
+        json!((x * 1e4).round() / 1e4)
     } else {
-        "null".into()
+        Value::Null
     }
 }
 
@@ -861,31 +980,4 @@ fn arch_name(
             "n/a".into()
         }
     }
-}
-
-/// Max |error| of the last (up to) 64 query rows of batch 0 against the CPU reference. The last
-/// rows of a bottom-right aligned problem form a valid sub-problem with the same keys.
-fn verify(out: &Tensor, set: &(Tensor, Tensor, Tensor), p: &AttnParams) -> Result<f64> {
-    let (q, k, v) = set;
-    let sq = q.dim(1)?;
-    let r = sq.min(64);
-    let cpu = Device::Cpu;
-    let q1 = q
-        .narrow(0, 0, 1)?
-        .narrow(1, sq - r, r)?
-        .to_device(&cpu)?
-        .to_dtype(DType::F32)?;
-    let k1 = k.narrow(0, 0, 1)?.to_device(&cpu)?.to_dtype(DType::F32)?;
-    let v1 = v.narrow(0, 0, 1)?.to_device(&cpu)?.to_dtype(DType::F32)?;
-    let want = flashcore::attention(&q1, &k1, &v1, p)?;
-    let got = out
-        .narrow(0, 0, 1)?
-        .narrow(1, sq - r, r)?
-        .to_device(&cpu)?
-        .to_dtype(DType::F32)?;
-    Ok((got - want)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f32>()? as f64)
 }
