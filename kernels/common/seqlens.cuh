@@ -82,10 +82,37 @@ __device__ __forceinline__ float* lse_ptr(const FcParams& p, int bi, int h, int 
 
 // ALiBi slope of (sequence bi, head h) divided by the kept scores' unit (scale, or softcap), so
 // the kernels subtract slope_u * |j - (i + sk - sq)| from raw scores; 0 without ALiBi.
+// A finite slope saturates at the largest finite float in those units: distance 0 then subtracts
+// exactly 0 (never inf * 0 = NaN) and the other distances a bias that is huge or -inf (weight 0),
+// as the CPU's `slope * dist` overflowing to -inf. A non-finite slope gives NaN, which reaches
+// every score of the head, distance 0 included (the CPU path's rule for such slopes); masked keys
+// are set to -inf after this bias, so rows that see no key still come out empty.
 __device__ __forceinline__ float alibi_slope_units(const FcParams& p, int bi, int h) {
     if (p.alibi_slopes == nullptr) return 0.f;
     const float unit = p.softcap > 0.f ? p.softcap : p.scale;
-    return __ldg(p.alibi_slopes + (int64_t)bi * p.alibi_batch_stride + h) / unit;
+    const float slope = __ldg(p.alibi_slopes + (int64_t)bi * p.alibi_batch_stride + h);
+    constexpr float kMax = 3.40282346638528859812e+38f;
+    if (!(fabsf(slope) <= kMax)) return __int_as_float(0x7fffffff);
+    return fminf(fmaxf(slope / unit, -kMax), kMax);
+}
+
+// Scores with an ALiBi bias are floored at -2^16 in exp2 units (alibi_floor, in the kept scores'
+// unit): a key there already has weight 2^-65536 = 0 against any key the row sees above
+// -2^16 + 150, and the floor keeps a row's running max small: p = exp2(s * sl2 - m * sl2)
+// rounds m * sl2 to f32, which shifts the exponent by up to half an ulp of |m * sl2| (2^-9 at
+// 2^16; at the unfloored -1e33 of a slope of 1e30 it was 2^83: P = inf, NaN rows). A row whose
+// visible keys all lie below the floor (seq_q > seq_k rows before the diagonal under a huge
+// slope, or raw scores past the documented |q.k * scale * log2(e)| < 2^16) averages them.
+__device__ __forceinline__ float alibi_floor(const FcParams& p) {
+    const float unit_log2 = p.softcap > 0.f ? p.softcap * 1.4426950408889634f : p.scale_log2;
+    return -65536.f / unit_log2;
+}
+
+// Score s minus the ALiBi bias slope_u * dist, floored at lo (alibi_floor). A NaN (a non-finite
+// slope) passes the floor.
+__device__ __forceinline__ float alibi_apply(float s, float slope_u, int dist, float lo) {
+    const float x = s - slope_u * (float)dist;
+    return x < lo ? lo : x;
 }
 
 // The tables' checks, shared by fc_check_seqlens and the split-KV combine. Each returns the

@@ -628,6 +628,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             }
             if (p.alibi_slopes != nullptr) {  // before the mask, after softcap (bias in score units)
                 const int kb = t * BN + key0 + 2 * t4;
+                const float lo = fc::alibi_floor(p);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = min(r0 + wm * 16 + g8 + 8 * h, rows_total - 1);
@@ -637,7 +638,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
 #pragma unroll
                     for (int n = 0; n < 2; ++n)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) s[n][2 * h + e] -= sl * (float)abs(kb + n * 8 + e - dg);
+                        for (int e = 0; e < 2; ++e) s[n][2 * h + e] = fc::alibi_apply(s[n][2 * h + e], sl, abs(kb + n * 8 + e - dg), lo);
                 }
             }
             if (need_mask) {
@@ -743,7 +744,9 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             acc[4] = fmaf(f, x1.x, acc[4]); acc[5] = fmaf(f, x1.y, acc[5]);
             acc[6] = fmaf(f, x1.z, acc[6]); acc[7] = fmaf(f, x1.w, acc[7]);
         }
-        const float lse = L > 0.f ? Ms * scale + logf(L) : -INFINITY;
+        // L = 0: no visible key (the combine skips this split); L NaN (a NaN score or slope):
+        // NaN, which the combine carries into the row instead of skipping the split.
+        const float lse = L > 0.f ? Ms * scale + logf(L) : (L == 0.f ? -INFINITY : L);
         const int r = r0 + rl;
         const int hl = r / sq, i = r - hl * sq;
         const int h = kvh * p.h_ratio + hl;

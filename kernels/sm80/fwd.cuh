@@ -305,7 +305,8 @@ __device__ __forceinline__ void softcap_tile(float (&s)[MT][NS][4], const FcPara
 }
 
 // ALiBi (the FWD_GEN body, p.alibi_slopes set): S -= slope_u * |col - (row + sk - sq)|, slope_u
-// the slope in the kept scores' unit (fc::alibi_slope_units), before the mask.
+// the slope in the kept scores' unit (fc::alibi_slope_units), floored (fc::alibi_apply), before
+// the mask.
 template <bool CAP, int BN, int MT, int NS>
 __device__ __forceinline__ void alibi_tile(float (&s)[MT][NS][4], const FcParams& p, float slope_u,
                                            int nb, int warp_r0, int sq, int sk, int col_off = 0) {
@@ -313,6 +314,7 @@ __device__ __forceinline__ void alibi_tile(float (&s)[MT][NS][4], const FcParams
         int lane;
         asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
         const int col0 = nb * BN + col_off + 2 * (lane & 3);
+        const float lo = fc::alibi_floor(p);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -322,7 +324,8 @@ __device__ __forceinline__ void alibi_tile(float (&s)[MT][NS][4], const FcParams
                 for (int j = 0; j < NS; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        s[mt][j][2 * hf + e] -= slope_u * (float)abs(col0 + j * 8 + e - diag);
+                        s[mt][j][2 * hf + e] =
+                            fc::alibi_apply(s[mt][j][2 * hf + e], slope_u, abs(col0 + j * 8 + e - diag), lo);
             }
     }
 }

@@ -763,16 +763,16 @@ struct FwdSm90 {
                        !__any_sync(0xffffffffu, m_r[0] == -INFINITY || m_r[1] == -INFINITY);
             };
             // The score modifiers of the CAP twins (runtime: softcap, ALiBi), element i of key tile n.
-            auto alibi_bias = [&](int n, int i) {
+            auto alibi = [&](float v, int n, int i) {
                 int h, bi;
                 head_batch(h, bi);
                 const int col = n * BN + 8 * (i >> 2) + 2 * tq + (i & 1);
                 const int diag = row0 + 8 * ((i >> 1) & 1) + sk_of() - sq_of();
-                return fc::alibi_slope_units(p, bi, h) * (float)abs(col - diag);
+                return fc::alibi_apply(v, fc::alibi_slope_units(p, bi, h), abs(col - diag), fc::alibi_floor(p));
             };
             auto mod_score = [&](float v, int n, int i) {
                 if (p.softcap > 0.f) v = fc::softcap_tanh(v * pre);
-                if (p.alibi_slopes != nullptr) v -= alibi_bias(n, i);
+                if (p.alibi_slopes != nullptr) v = alibi(v, n, i);
                 return v;
             };
             // Redo key tile n whose s[] holds P = 2^(x - mu) from a fast softmax_gen: back to the raw
@@ -810,10 +810,11 @@ struct FwdSm90 {
                         int h, bi;
                         head_batch(h, bi);
                         const float sl = fc::alibi_slope_units(p, bi, h);
+                        const float lo = fc::alibi_floor(p);
                         const int col0 = n * BN + 2 * tq, dg = row0 + sk_of() - sq_of();
 #pragma unroll
                         for (int i = 0; i < BN / 2; ++i)
-                            s[i] -= sl * (float)abs(col0 + 8 * (i >> 2) + (i & 1) - dg - 8 * ((i >> 1) & 1));
+                            s[i] = fc::alibi_apply(s[i], sl, abs(col0 + 8 * (i >> 2) + (i & 1) - dg - 8 * ((i >> 1) & 1)), lo);
                     }
                 }
             };

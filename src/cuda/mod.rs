@@ -171,7 +171,7 @@ pub fn describe(
     k: &Tensor,
     v: &Tensor,
 ) -> Result<String> {
-    let prob = crate::params::validate(q, k, v, p)?;
+    let prob = for_kernels(&crate::params::validate(q, k, v, p)?);
     let info = device_info(dev)?;
     let v = choose(&prob, &info)?;
     Ok(v.symbol() + &route_note(&prob, v, &info))
@@ -218,8 +218,9 @@ pub fn describe_paged(
     seqlens_k: &Tensor,
     packed_q: Option<(&Tensor, usize)>,
 ) -> Result<String> {
-    let prob =
-        crate::params::validate_paged(q, k_pages, v_pages, page_table, seqlens_k, packed_q, p)?;
+    let prob = for_kernels(&crate::params::validate_paged(
+        q, k_pages, v_pages, page_table, seqlens_k, packed_q, p,
+    )?);
     let info = device_info(dev)?;
     let v = choose(&prob, &info)?;
     if v.kind == KKind::Decode {
@@ -301,6 +302,44 @@ pub fn kernel_head_dim(d: usize) -> u32 {
         0..=64 => 64,
         65..=128 => 128,
         _ => 256,
+    }
+}
+
+/// Largest softmax scale the GPU kernels take. They keep raw f32 `q . k` scores and compute
+/// `p = exp2(s * scale_log2 - m * scale_log2)` with one FFMA, where `m * scale_log2` is rounded
+/// to f32: the exponent of every key of a row is off by up to half an ulp of `|m| * scale *
+/// log2(e)` (m: the row max). That shift is common to the row's keys and cancels in O while it is
+/// small; it reaches the bf16 / f16 rounding of P at |m| * scale * log2(e) ~ 2^16 and overflows P
+/// past ~2^26 (NaN rows). At scale 2^10 the first needs |q . k| ~ 44; a larger scale makes it
+/// likely on ordinary data, so the GPU refuses it (the CPU path takes any finite scale). Below it
+/// the bound is on the data (the numeric contract states it).
+pub const GPU_MAX_SCALE: f32 = 1024.0;
+
+/// `p` as the kernels run it: a window bound that no row of the problem can reach (left >= sk:
+/// the band's lower end `diag - left` is <= 0 for every row, since diag <= sk - 1; right >= sq:
+/// its upper end `diag + right` is >= sk - 1, since diag >= sk - sq) is no bound, and the mask
+/// is then canonical (a window of (unbounded, 0) is the causal mask). `sq` / `sk` are the
+/// problem's bounds (max_seqlen_q / _k, the paged pool's `max_pages * page_size`), so this holds
+/// for every sequence of a packed or paged batch. Every bound left is below sk or sq, so the
+/// kernels' int32 band arithmetic (`diag - left`, `diag + right + 1`) stays in range.
+fn for_kernels(p: &Problem) -> Problem {
+    let (left, right) = p.mask.bounds();
+    let mask = Mask::Window {
+        left: left.filter(|&l| l < p.sk),
+        right: right.filter(|&r| r < p.sq),
+    }
+    .canonical();
+    Problem { mask, ..p.clone() }
+}
+
+/// A window bound as the kernels take it: -1 unbounded, else the bound, saturated at `limit`
+/// (the problem's sk for the left bound, sq for the right one: `for_kernels` already dropped
+/// bounds at or past it, so the saturation only guards the i32 conversion).
+fn kernel_bound(bound: Option<usize>, limit: usize) -> i32 {
+    match bound {
+        None => -1,
+        Some(x) if x >= limit => -1,
+        Some(x) => x.min(i32::MAX as usize) as i32,
     }
 }
 
@@ -428,9 +467,12 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
     };
     // The kernels mask with -inf raw scores and keep the row max of raw scores: that needs a
     // positive scale (0 turns masked scores into NaN, a negative one gives them weight +inf).
-    if p.scale <= 0.0 {
+    // The scale is folded into the exponent of raw f32 scores (`GPU_MAX_SCALE` says why it is
+    // bounded).
+    let scale_ok = p.scale > 0.0 && p.scale <= GPU_MAX_SCALE;
+    if !scale_ok {
         return Err(unsupported(format!(
-            "softmax_scale {} (the GPU kernels take a scale > 0)",
+            "softmax_scale {} (the GPU kernels take 0 < scale <= 1024)",
             p.scale
         )));
     }
@@ -899,6 +941,7 @@ pub(crate) fn forward(
     want_lse: bool,
 ) -> Result<(CudaStorage, Option<CudaStorage>)> {
     let dev = q.0.device.clone();
+    let p = &for_kernels(p);
     let variant = choose(p, &device_info(&dev)?)?;
     match p.dtype {
         DType::BF16 => run_typed::<bf16>(&dev, p, variant, extra, q, k, v, want_lse),
@@ -1077,8 +1120,8 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         scale: p.scale,
         scale_log2: p.scale * std::f32::consts::LOG2_E,
         softcap: p.softcap.unwrap_or(0.0),
-        window_left: wl.map_or(-1, |x| x.min(i32::MAX as usize) as i32),
-        window_right: wr.map_or(-1, |x| x.min(i32::MAX as usize) as i32),
+        window_left: kernel_bound(wl, p.sk),
+        window_right: kernel_bound(wr, p.sq),
         num_splits: 1,
         combine_checks: 0,
         split_budget: 0,
