@@ -927,3 +927,209 @@ fn fuzz_public_cpu_api() -> Result<()> {
     );
     Ok(())
 }
+
+/// One random `append_kv_paged` / `append_kv_paged_varlen` call against a model of the write:
+/// either the pools afterwards are the pools before with exactly the new rows written at their
+/// slots, or the call fails naming an argument at fault and neither pool changed.
+fn append_case(rng: &mut Rng) -> Result<Option<String>> {
+    let dev = Device::Cpu;
+    let dtype = rng.pick(&[DType::F32, DType::F64, DType::F16, DType::BF16]);
+    let (np, ps, h, d) = (
+        1 + rng.below(6),
+        1 + rng.below(5),
+        1 + rng.below(2),
+        8 * (1 + rng.below(2)),
+    );
+    let b = 1 + rng.below(3);
+    let max_pages = 1 + rng.below(4);
+    let packed = rng.chance(0.5);
+    let counts: Vec<usize> = if packed {
+        (0..b).map(|_| rng.below(5)).collect()
+    } else {
+        vec![rng.below(5); b]
+    };
+    let total: usize = counts.iter().sum();
+    let mut bad: Vec<&'static str> = Vec::new();
+    let pool_vals = |rng: &mut Rng| -> Result<Tensor> {
+        let x: Vec<f32> = (0..np * ps * h * d).map(|_| rng.normal() as f32).collect();
+        Tensor::from_vec(x, (np, ps, h, d), &dev)?.to_dtype(dtype)
+    };
+    let k_pages = pool_vals(rng)?;
+    let mut v_pages = pool_vals(rng)?;
+    let new_vals = |rng: &mut Rng| -> Result<Tensor> {
+        let x: Vec<f32> = (0..total * h * d).map(|_| rng.normal() as f32).collect();
+        let t = Tensor::from_vec(x, (total, h, d), &dev)?.to_dtype(dtype)?;
+        if packed {
+            Ok(t)
+        } else {
+            t.reshape((b, counts[0], h, d))
+        }
+    };
+    let k_new = new_vals(rng)?;
+    let mut v_new = new_vals(rng)?;
+    // Tables: mostly distinct pages per sequence, sometimes shared or outside the pool.
+    let mut table = vec![0u32; b * max_pages];
+    for e in table.iter_mut() {
+        *e = if rng.chance(0.03) {
+            (np + rng.below(3)) as u32
+        } else {
+            rng.below(np) as u32
+        };
+    }
+    let pos: Vec<u32> = (0..b)
+        .map(|_| {
+            if rng.chance(0.03) {
+                (max_pages * ps + rng.below(3)) as u32
+            } else {
+                rng.below(max_pages * ps) as u32
+            }
+        })
+        .collect();
+    // The model of the slots.
+    let mut slots: Vec<(usize, usize, usize)> = Vec::new(); // (pool row, seq, row)
+    for i in 0..b {
+        for j in 0..counts[i] {
+            let at = pos[i] as usize + j;
+            if at >= max_pages * ps {
+                bad.push("positions");
+                continue;
+            }
+            let page = table[i * max_pages + at / ps] as usize;
+            if page >= np {
+                bad.push("page_table");
+                continue;
+            }
+            let slot = page * ps + at % ps;
+            if slots.iter().any(|s| s.0 == slot) {
+                bad.push("page_table");
+            }
+            slots.push((slot, i, j));
+        }
+    }
+    // Structural faults.
+    match rng.below(40) {
+        0 => {
+            v_pages = Tensor::zeros((np, ps, d, h), dtype, &dev)?.transpose(2, 3)?;
+            if h > 1 {
+                bad.push("v_pages");
+            }
+        }
+        1 if total > 0 && !packed && counts[0] <= ps => {
+            v_new = v_pages
+                .narrow(0, 0, 1)?
+                .narrow(1, 0, counts[0])?
+                .broadcast_as((b, counts[0], h, d))?;
+            // A broadcast view of the pool: same storage.
+            bad.push("v_new");
+        }
+        2 => {
+            v_pages = k_pages.clone();
+            bad.push("v_pages");
+        }
+        _ => {}
+    }
+    let before_k = k_pages
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()?;
+    let before_v = v_pages
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()?;
+    let table_t = Tensor::from_vec(table, (b, max_pages), &dev)?;
+    let pos_t = Tensor::new(pos.as_slice(), &dev)?;
+    let cu: Vec<u32> = std::iter::once(0)
+        .chain(counts.iter().scan(0u32, |a, &c| {
+            *a += c as u32;
+            Some(*a)
+        }))
+        .collect();
+    let cu_t = Tensor::new(cu.as_slice(), &dev)?;
+    let got = catch_unwind(AssertUnwindSafe(|| {
+        if packed {
+            flashcore::append_kv_paged_varlen(
+                &k_new, &v_new, &k_pages, &v_pages, &table_t, &cu_t, &pos_t,
+            )
+        } else {
+            flashcore::append_kv_paged(&k_new, &v_new, &k_pages, &v_pages, &table_t, &pos_t)
+        }
+    }));
+    let desc = format!("append {dtype:?} pool ({np}, {ps}, {h}, {d}) b{b} counts {counts:?} packed {packed} pos {pos:?} bad {bad:?}");
+    let got = match got {
+        Err(_) => return Ok(Some(format!("{desc}: PANIC"))),
+        Ok(r) => r,
+    };
+    let after_k = k_pages
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()?;
+    let after_v = v_pages
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()?;
+    match (got, bad.is_empty()) {
+        (Err(e), false) => {
+            let msg = e.to_string();
+            if !bad.iter().any(|a| names(&msg, a)) {
+                return Ok(Some(format!("{desc}: error names none of {bad:?}: {msg}")));
+            }
+            let same =
+                |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            if !same(&before_k, &after_k) || !same(&before_v, &after_v) {
+                return Ok(Some(format!("{desc}: rejected but a pool was written")));
+            }
+            Ok(None)
+        }
+        (Err(e), true) => Ok(Some(format!("{desc}: unexpected error {e}"))),
+        (Ok(()), false) => Ok(Some(format!("{desc}: accepted"))),
+        (Ok(()), true) => {
+            let row = h * d;
+            let (kn, vn) = (
+                k_new
+                    .to_dtype(DType::F64)?
+                    .flatten_all()?
+                    .to_vec1::<f64>()?,
+                v_new
+                    .to_dtype(DType::F64)?
+                    .flatten_all()?
+                    .to_vec1::<f64>()?,
+            );
+            let (mut want_k, mut want_v) = (before_k, before_v);
+            for &(slot, i, j) in &slots {
+                let src = (cu[i] as usize + j) * row;
+                want_k[slot * row..(slot + 1) * row].copy_from_slice(&kn[src..src + row]);
+                want_v[slot * row..(slot + 1) * row].copy_from_slice(&vn[src..src + row]);
+            }
+            if want_k != after_k || want_v != after_v {
+                return Ok(Some(format!("{desc}: pools differ from the model")));
+            }
+            Ok(None)
+        }
+    }
+}
+
+#[test]
+fn fuzz_append_kv_paged() -> Result<()> {
+    let seed = env_u64("FLASHCORE_FUZZ_SEED").unwrap_or(DEFAULT_SEED);
+    let cases = env_u64("FLASHCORE_FUZZ_CASES").map_or(DEFAULT_CASES, |n| n as usize) / 4;
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let mut rng = Rng(seed ^ 0xa99e_4d00);
+    let mut findings = Vec::new();
+    for n in 0..cases {
+        let case_seed = rng.next();
+        if let Some(f) = append_case(&mut Rng(case_seed))? {
+            findings.push(format!("case {n} (case seed {case_seed:#x}) {f}"));
+            if findings.len() >= 20 {
+                break;
+            }
+        }
+    }
+    std::panic::set_hook(hook);
+    eprintln!(
+        "fuzz append: seed {seed:#x}, {cases} cases, {} findings",
+        findings.len()
+    );
+    assert!(findings.is_empty(), "{}", findings.join("\n"));
+    Ok(())
+}
