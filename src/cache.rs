@@ -47,6 +47,20 @@ impl PagedKvCache {
                 "flashcore: PagedKvCache: num_pages and page_size must be >= 1 (num_pages < 2^32), got {num_pages} and {page_size}"
             )
         }
+        if heads_kv == 0 || head_dim == 0 {
+            candle_core::bail!(
+                "flashcore: PagedKvCache: heads_kv and head_dim must be >= 1, got {heads_kv} and {head_dim}"
+            )
+        }
+        let elems = [page_size, heads_kv, head_dim]
+            .iter()
+            .try_fold(num_pages, |acc, &x| acc.checked_mul(x));
+        let bytes = elems.and_then(|e| e.checked_mul(dtype.size_in_bytes()));
+        if bytes.is_none_or(|e| e > isize::MAX as usize) {
+            candle_core::bail!(
+                "flashcore: PagedKvCache: num_pages * page_size * heads_kv * head_dim must be addressable (< 2^63 bytes), got ({num_pages}, {page_size}, {heads_kv}, {head_dim})"
+            )
+        }
         let shape = (num_pages, page_size, heads_kv, head_dim);
         Ok(Self {
             k_pages: Tensor::zeros(shape, dtype, device)?,
@@ -109,8 +123,8 @@ impl PagedKvCache {
     }
 
     /// Appends `n_new` rows to each sequence of `ids` (distinct): `k_new` / `v_new` `(ids.len(),
-    /// n_new, heads_kv, head_dim)`. Pages are taken from the pool first; if they do not suffice
-    /// nothing is taken or written and the error says how many are missing.
+    /// n_new, heads_kv, head_dim)`. Pages are taken from the pool first; if they do not suffice,
+    /// or the append rejects the rows, nothing is taken or written and the error says why.
     pub fn append(&mut self, ids: &[usize], k_new: &Tensor, v_new: &Tensor) -> Result<()> {
         let (b, n_new) = (k_new.dim(0)?, k_new.dim(1)?);
         if b != ids.len() {
@@ -136,17 +150,33 @@ impl PagedKvCache {
             .iter()
             .map(|&id| self.live(id).map(|s| s.1 as u32))
             .collect::<Result<_>>()?;
+        // Taken tentatively: given back (in the same order) if the append fails, which writes
+        // nothing when it fails.
+        let free_before = self.free.len();
+        let mut owned_before = Vec::with_capacity(ids.len());
         for &id in ids {
             let extra = self.pages_needed(id, n_new)?;
             let take = self.free.split_off(self.free.len() - extra);
             if let Some(Some((pages, _))) = self.seqs.get_mut(id) {
+                owned_before.push(pages.len());
                 pages.extend(take.iter().rev());
             }
         }
-        let (table, _) = self.tables(ids)?;
-        let dev = self.k_pages.device();
-        let pos = Tensor::new(positions.as_slice(), dev)?;
-        crate::append_kv_paged(k_new, v_new, &self.k_pages, &self.v_pages, &table, &pos)?;
+        let written = self.tables(ids).and_then(|(table, _)| {
+            let pos = Tensor::new(positions.as_slice(), self.k_pages.device())?;
+            crate::append_kv_paged(k_new, v_new, &self.k_pages, &self.v_pages, &table, &pos)
+        });
+        if let Err(e) = written {
+            // Back in reverse order of taking, so the free list is exactly as before.
+            for (&id, &before) in ids.iter().zip(&owned_before).rev() {
+                if let Some(Some((pages, _))) = self.seqs.get_mut(id) {
+                    let taken = pages.split_off(before);
+                    self.free.extend(taken.iter().rev());
+                }
+            }
+            debug_assert_eq!(self.free.len(), free_before);
+            return Err(e);
+        }
         for &id in ids {
             if let Some(Some((_, len))) = self.seqs.get_mut(id) {
                 *len += n_new;

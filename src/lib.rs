@@ -19,7 +19,10 @@
 //! lower-triangular mask; with `seq_q == 1` (decoding) the single query sees every key. A sliding
 //! window `Mask::Window { left, right }` lets row `i` see keys
 //! `i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right` (`None` = unbounded on that side).
-//! A query row that sees no key (possible when `seq_q > seq_k` under a causal mask) outputs zeros
+//! Any bound is valid, `usize::MAX` included: a left bound `>= seq_k` or a right bound `>= seq_q`
+//! (of packed batches: `max_seqlen_k` / `max_seqlen_q`; of a paged cache: the page table's rows)
+//! is the same as `None`, so `Window { left: Some(usize::MAX), right: Some(0) }` is exactly
+//! [`Mask::Causal`]. A query row that sees no key (possible when `seq_q > seq_k` under a causal mask) outputs zeros
 //! and its log-sum-exp is `-inf`; never NaN.
 //!
 //! ## Packed batches of different lengths
@@ -44,6 +47,23 @@
 //! with ALiBi slopes, `s -= slope[h] * |j - (i + seq_k - seq_q)|`; then the mask; then the softmax.
 //! The log-sum-exp returned by [`attention_with_lse`] is `ln(sum_j exp(s_ij))` over visible keys.
 //!
+//! ## Non-finite values
+//! Scores are computed in f32 (f64 for f64 inputs). `softmax_scale` must be finite (any finite
+//! value, `f32::MAX` included; the GPU kernels also need it `> 0`), `softcap` finite and `> 0`:
+//! otherwise an error. The dot product is scaled where that keeps it finite: a scale of at most
+//! 1 in magnitude multiplies q first, a larger one the dot product, so a score is finite
+//! whenever `sum_x |scale * q_x * k_x|` is. Then, per query row, over the keys it sees:
+//! - a score of `-inf` gives that key weight 0; a row whose scores are all `-inf` (or that sees
+//!   no key) outputs zeros with LSE `-inf`;
+//! - scores of `+inf` share the row's weight equally (the softmax's limit), LSE `+inf`;
+//! - a NaN score makes the row NaN (O and LSE), as does a non-finite ALiBi slope for every row
+//!   of its head;
+//! - NaN or Inf in the row's own q, or in a K or V row it sees, propagates as in plain IEEE
+//!   arithmetic (`0 * inf` is NaN, as in torch); K and V rows it does not see (masked, past a
+//!   sequence's length, another sequence's) never reach it on the CPU.
+//!
+//! The CPU path follows these rules exactly; see the README's numeric contract for the GPU.
+//!
 //! ## Example
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -57,8 +77,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Backward is not implemented: using the output in a backward pass returns
-//! `candle_core::Error::BackwardNotSupported`.
+//! Backward is not implemented: using the output, or the log-sum-exp of the `_with_lse`
+//! functions, in a backward pass returns `candle_core::Error::BackwardNotSupported`.
 
 mod cache;
 mod knobs;
@@ -275,6 +295,12 @@ pub fn attention_paged_varlen_with_lse(
 /// on the GPU. On the CPU every position and page id is checked (an error names the argument and
 /// nothing is written); on a GPU a row whose position is beyond the table or whose page id is not
 /// a page of the pool is skipped (never written outside the pool), unchecked.
+///
+/// Checked before anything is written, on every device: the pools' head dim must be contiguous
+/// (as [`attention_paged`] requires), `k_pages` and `v_pages` must be different tensors, and
+/// neither `k_new` nor `v_new` may be a view of a pool. On the CPU two new rows of the batch
+/// writing the same pool row is an error too; on a GPU (whose tables are not read on the host)
+/// such rows race and one of them is kept.
 pub fn append_kv_paged(
     k_new: &Tensor,
     v_new: &Tensor,
@@ -315,9 +341,11 @@ fn lse_or_internal(lse: Option<Tensor>) -> Result<Tensor> {
 }
 
 /// The same function as [`attention`] composed of plain candle ops (matmul, mask, softmax,
-/// matmul) in the input dtype, with K/V repeated for GQA. The `_slow` twin used by tests and the
-/// benchmark's `eager` backend; it materialises the full score matrix (split over the batch and
-/// KV-head groups when an intermediate would exceed 2^30 elements).
+/// matmul) in f32 (f64 for f64 inputs) and cast back to the input dtype, with K/V repeated for
+/// GQA, following the same rules for masks, ALiBi slopes (`(heads_q,)` or `(batch, heads_q)`) and
+/// non-finite values. The `_slow` twin used by tests and the benchmark's `eager` backend; it
+/// materialises the full score matrix (split over the batch and KV-head groups when an
+/// intermediate would exceed 2^30 elements).
 pub fn attention_slow(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Result<Tensor> {
     reference::eager(q, k, v, params)
 }

@@ -7,7 +7,6 @@ use crate::params::{
 };
 use crate::reference;
 use candle_core::backend::BackendStorage;
-use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 use std::sync::{Arc, Mutex};
 
@@ -240,6 +239,114 @@ impl CustomOp3 for FlashAttn {
     }
 }
 
+/// A result computed beside the attention op (its LSE, or the answer of an empty batch) handed
+/// out as the output of an op over (q, k, v), so that it is recorded for backprop like O: a
+/// backward pass through it fails with `BackwardNotSupported` instead of silently giving no
+/// gradient.
+struct Emit {
+    name: &'static str,
+    src: EmitSrc,
+}
+
+enum EmitSrc {
+    /// Storage stashed by the attention op's forward (moved out, no copy).
+    Slot(Arc<Mutex<Option<Storage>>>, Shape),
+    /// A contiguous tensor on q's device (copied).
+    Tensor(Tensor),
+}
+
+impl Emit {
+    fn take(&self) -> Result<(Storage, Shape)> {
+        match &self.src {
+            EmitSrc::Slot(slot, shape) => {
+                let s = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let s = s.ok_or_else(|| {
+                    candle_core::Error::Msg("flashcore: internal: forward produced no lse".into())
+                })?;
+                Ok((s, shape.clone()))
+            }
+            EmitSrc::Tensor(t) => {
+                let (st, l) = t.storage_and_layout();
+                let s = match &*st {
+                    Storage::Cpu(c) => Storage::Cpu(c.try_clone(l)?),
+                    #[cfg(feature = "cuda")]
+                    Storage::Cuda(c) => Storage::Cuda(c.try_clone(l)?),
+                    _ => candle_core::bail!("flashcore: internal: unexpected storage"),
+                };
+                Ok((s, t.shape().clone()))
+            }
+        }
+    }
+}
+
+impl CustomOp3 for Emit {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        match self.take()? {
+            (Storage::Cpu(c), shape) => Ok((c, shape)),
+            _ => candle_core::bail!("flashcore: internal: result not on the cpu"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        match self.take()? {
+            (Storage::Cuda(c), shape) => Ok((c, shape)),
+            _ => candle_core::bail!("flashcore: internal: result not on the gpu"),
+        }
+    }
+}
+
+/// `src` as the output of an [`Emit`] op named `name` over (q, k, v).
+fn emit(q: &Tensor, k: &Tensor, v: &Tensor, name: &'static str, src: EmitSrc) -> Result<Tensor> {
+    q.apply_op3_arc(k, v, Arc::new(Box::new(Emit { name, src })))
+}
+
+/// The answer of a batch with no query rows or no keys at all: O zeros, LSE -inf, both recorded
+/// like a computed answer.
+fn empty_answer(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    problem: &Problem,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let o = Tensor::zeros(problem.out_shape(), q.dtype(), q.device())?;
+    let o = emit(q, k, v, "flashcore-attention", EmitSrc::Tensor(o))?;
+    let lse = if want_lse {
+        let l = Tensor::full(f32::NEG_INFINITY, problem.lse_shape(), q.device())?;
+        Some(emit(
+            q,
+            k,
+            v,
+            "flashcore-attention-lse",
+            EmitSrc::Tensor(l),
+        )?)
+    } else {
+        None
+    };
+    Ok((o, lse))
+}
+
 /// (batch, row, head) strides of a dense tensor, or (0, row, head) of a packed one.
 fn strides_of(t: &Tensor) -> [usize; 3] {
     let s = t.stride();
@@ -292,19 +399,8 @@ fn apply(
     };
     let o = q.apply_op3_arc(k, v, Arc::new(Box::new(op)))?;
     let lse = if want_lse {
-        let s = slot
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| {
-                candle_core::Error::Msg("flashcore: internal: forward produced no lse".into())
-            })?;
-        Some(Tensor::from_storage(
-            s,
-            lse_shape,
-            BackpropOp::none(),
-            false,
-        ))
+        let src = EmitSrc::Slot(slot, lse_shape);
+        Some(emit(q, k, v, "flashcore-attention-lse", src)?)
     } else {
         None
     };
@@ -360,9 +456,7 @@ pub(crate) fn run_varlen(
     }
     if total_q == 0 || total_k == 0 {
         // Nothing to attend: every row (if any) sees no key.
-        let o = Tensor::zeros(problem.out_shape(), q.dtype(), q.device())?;
-        let lse = Tensor::full(f32::NEG_INFINITY, problem.lse_shape(), q.device())?;
-        return Ok((o, want_lse.then_some(lse)));
+        return empty_answer(q, k, v, &problem, want_lse);
     }
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
@@ -406,9 +500,7 @@ pub(crate) fn run_paged(
     }
     let (total_q, _) = problem.totals();
     if total_q == 0 {
-        let o = Tensor::zeros(problem.out_shape(), q.dtype(), q.device())?;
-        let lse = Tensor::full(f32::NEG_INFINITY, problem.lse_shape(), q.device())?;
-        return Ok((o, want_lse.then_some(lse)));
+        return empty_answer(q, kv.k_pages, kv.v_pages, &problem, want_lse);
     }
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
@@ -516,6 +608,9 @@ pub(crate) struct AppendOp<'a> {
     pub page_size: usize,
     pub num_pages: usize,
     pub max_pages: usize,
+    /// On the CPU: the pool row of every new row, checked on the host before anything is written
+    /// ([`AppendOp::host_slots`]).
+    pub slots: Option<Vec<usize>>,
 }
 
 impl AppendOp<'_> {
@@ -543,7 +638,9 @@ impl AppendOp<'_> {
         }
     }
 
-    /// Pool row (page * page_size + slot) of every new row, every value checked on the host.
+    /// Pool row (page * page_size + slot) of every new row, every value checked on the host:
+    /// positions within the table, pages within the pool, and no two new rows writing the same
+    /// pool row.
     fn host_slots(&self) -> Result<Vec<usize>> {
         let table = self.page_table.flatten_all()?.to_vec1::<u32>()?;
         let pos = self.positions.to_vec1::<u32>()?;
@@ -568,7 +665,27 @@ impl AppendOp<'_> {
                 }
                 Ok(page * self.page_size + at % self.page_size)
             })
-            .collect()
+            .collect::<Result<Vec<usize>>>()
+            .and_then(|slots| self.check_distinct(slots))
+    }
+
+    /// Two new rows writing the same pool row would make the result depend on the order of the
+    /// writes: an error naming both.
+    fn check_distinct(&self, slots: Vec<usize>) -> Result<Vec<usize>> {
+        let mut owner = std::collections::HashMap::with_capacity(slots.len());
+        let rows = self.host_rows()?;
+        for (r, &slot) in slots.iter().enumerate() {
+            if let Some(&first) = owner.get(&slot) {
+                let ((i0, j0), (i1, j1)) = (rows[first], rows[r]);
+                return Err(candle_core::Error::Msg(format!(
+                    "flashcore: page_table: every new row must go to its own pool row, got sequence {i0} row {j0} and sequence {i1} row {j1} both at page {} row {} (check page_table and positions)",
+                    slot / self.page_size,
+                    slot % self.page_size
+                )));
+            }
+            owner.insert(slot, r);
+        }
+        Ok(slots)
     }
 
     fn cpu_typed<T: Copy>(
@@ -578,7 +695,10 @@ impl AppendOp<'_> {
         src: &[T],
         sl: &Layout,
     ) -> Result<()> {
-        let slots = self.host_slots()?;
+        let slots = match &self.slots {
+            Some(s) => s.clone(),
+            None => self.host_slots()?,
+        };
         let rows = self.host_rows()?;
         let ps = pl.stride();
         let ss = sl.stride();
@@ -669,22 +789,67 @@ pub(crate) fn append_kv_paged(
     let g = crate::params::validate_append(
         k_new, v_new, k_pages, v_pages, page_table, positions, cu_new,
     )?;
+    check_no_alias(k_new, v_new, k_pages, v_pages)?;
+    let mut op = AppendOp {
+        name: "k_pages",
+        page_table,
+        positions,
+        cu_new,
+        b: g.b,
+        total: g.total,
+        hkv: g.hkv,
+        d: g.d,
+        page_size: g.page_size,
+        num_pages: g.num_pages,
+        max_pages: g.max_pages,
+        slots: None,
+    };
+    if k_pages.device().is_cpu() {
+        // Every table value checked before either pool is written.
+        op.slots = Some(op.host_slots()?);
+    }
     for (name, new, pool) in [("k_pages", k_new, k_pages), ("v_pages", v_new, v_pages)] {
         let new = aligned(new)?;
         let op = AppendOp {
             name,
-            page_table,
-            positions,
-            cu_new,
-            b: g.b,
-            total: g.total,
-            hkv: g.hkv,
-            d: g.d,
-            page_size: g.page_size,
-            num_pages: g.num_pages,
-            max_pages: g.max_pages,
+            slots: op.slots.clone(),
+            ..op
         };
         pool.inplace_op2(&new, &op)?;
+    }
+    Ok(())
+}
+
+/// Address of the storage behind `t` (views of one tensor share it).
+fn storage_addr(t: &Tensor) -> usize {
+    let (s, _) = t.storage_and_layout();
+    &*s as *const Storage as usize
+}
+
+/// The pools are written in place from the new rows: `k_pages` and `v_pages` must be different
+/// storages, and neither may be the storage of `k_new` or `v_new` (checked before anything is
+/// written).
+fn check_no_alias(
+    k_new: &Tensor,
+    v_new: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+) -> Result<()> {
+    let (kp, vp) = (storage_addr(k_pages), storage_addr(v_pages));
+    if kp == vp {
+        candle_core::bail!(
+            "flashcore: v_pages: must not share storage with k_pages (the two pools are written separately), got views of one tensor"
+        )
+    }
+    for (name, t) in [("k_new", k_new), ("v_new", v_new)] {
+        let a = storage_addr(t);
+        for (pool, p) in [("k_pages", kp), ("v_pages", vp)] {
+            if a == p {
+                candle_core::bail!(
+                    "flashcore: {name}: must not share storage with {pool} (the pool is written in place), got a view of {pool}"
+                )
+            }
+        }
     }
     Ok(())
 }

@@ -50,7 +50,9 @@ impl Mask {
 #[derive(Clone, Debug, Default)]
 pub struct AttnParams {
     /// Multiplies `q . k`; `None` means `1 / sqrt(head_dim)`. Any finite value on the CPU; the
-    /// GPU kernels take a scale > 0 (otherwise an error naming the option).
+    /// GPU kernels take a scale > 0 (otherwise an error naming the option). For f64 inputs the
+    /// default is computed in f64; a scale given here is an f32, used exactly (widened), so an
+    /// f64 caller needing a scale that is not an f32 value has no way to pass it.
     pub softmax_scale: Option<f32>,
     /// The mask; bottom-right aligned.
     pub mask: Mask,
@@ -102,7 +104,16 @@ pub(crate) struct Problem {
     pub hkv: usize,
     pub d: usize,
     pub dtype: DType,
+    /// The softmax scale as the kernels take it (f32).
     pub scale: f32,
+    /// The same scale in f64, what the f64 CPU path multiplies by: the caller's f32 scale
+    /// exactly, or the default `1 / sqrt(head_dim)` computed in f64.
+    pub scale_f64: f64,
+    /// The mask with its window bounds normalised ([`normalise_mask`]): every `Some(x)` bound
+    /// satisfies `x < max(sq, sk)` (a left bound `< sk`, a right bound `< sq`); a bound that
+    /// cannot change which keys any row sees is `None`, and the mask is canonical (so a window
+    /// equal to causal or to no mask is exactly `Mask::Causal` / `Mask::None`). Everything that
+    /// reads the problem (the CPU path, the kernel launches) gets bounds in that range.
     pub mask: Mask,
     pub softcap: Option<f32>,
     /// Whether ALiBi slopes were given (the tensor itself travels beside the problem), and
@@ -242,7 +253,7 @@ fn check_common(
     d: usize,
     dk: usize,
     p: &AttnParams,
-) -> candle_core::Result<(f32, bool)> {
+) -> candle_core::Result<(f32, f64, bool)> {
     let dtype = q.dtype();
     if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32 | DType::F64) {
         return Err(bad(
@@ -277,7 +288,10 @@ fn check_common(
             dk,
         ));
     }
-    if hkv == 0 || !hq.is_multiple_of(hkv) {
+    if hkv == 0 {
+        return Err(bad("k", "heads_kv must be >= 1", format!("heads_kv {hkv}")));
+    }
+    if !hq.is_multiple_of(hkv) {
         return Err(bad(
             "k",
             &format!("heads_q ({hq}) must be a multiple of heads_kv"),
@@ -295,6 +309,8 @@ fn check_common(
     if !scale.is_finite() {
         return Err(bad("softmax_scale", "must be finite", scale));
     }
+    // The f64 path's default is 1 / sqrt(d) in f64 (not the f32 value widened).
+    let scale_f64 = p.softmax_scale.map_or(1.0 / (d as f64).sqrt(), f64::from);
     if let Some(c) = p.softcap {
         if !(c.is_finite() && c > 0.0) {
             return Err(bad("softcap", "must be finite and > 0", c));
@@ -320,7 +336,26 @@ fn check_common(
         }
         check_device("alibi_slopes", s, ("q", q))?;
     }
-    Ok((scale, per_batch))
+    Ok((scale, scale_f64, per_batch))
+}
+
+/// `mask` with every window bound that cannot matter for a problem of at most `sq` query rows
+/// and `sk` keys per sequence turned into `None`, then made canonical. Row `i` of a sequence of
+/// `sq_i <= sq` rows and `sk_i <= sk` keys has its diagonal at `diag = i + sk_i - sq_i`, so
+/// `sk_i - sq_i <= diag <= sk_i - 1`: a left bound `l >= sk` keeps `diag - l < 0` (every key
+/// from 0 on is in range) and a right bound `r >= sq` keeps `diag + r >= sk_i - 1` (every key up
+/// to the last). The bounds left are `< sk` (left) and `< sq` (right), so callers may add them
+/// to row and key indices without overflow.
+pub(crate) fn normalise_mask(mask: Mask, sq: usize, sk: usize) -> Mask {
+    let (left, right) = mask.bounds();
+    let mask = match mask {
+        Mask::Window { .. } => Mask::Window {
+            left: left.filter(|&l| l < sk),
+            right: right.filter(|&r| r < sq),
+        },
+        m => m,
+    };
+    mask.canonical()
 }
 
 /// Checks everything about the inputs that can be checked without running anything, coarse to
@@ -335,7 +370,7 @@ pub(crate) fn validate(
     check_rank(q, k, v, 4)?;
     let (b, sq, hq, d) = q.dims4()?;
     let (bk, sk, hkv, dk) = k.dims4()?;
-    let (scale, alibi_per_batch) = check_common(q, k, v, b, hq, hkv, d, dk, p)?;
+    let (scale, scale_f64, alibi_per_batch) = check_common(q, k, v, b, hq, hkv, d, dk, p)?;
     if bk != b {
         return Err(bad("k", &format!("batch must equal q's batch {b}"), bk));
     }
@@ -365,7 +400,8 @@ pub(crate) fn validate(
         d,
         dtype: q.dtype(),
         scale,
-        mask: p.mask.canonical(),
+        scale_f64,
+        mask: normalise_mask(p.mask, sq, sk),
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,
@@ -416,7 +452,7 @@ pub(crate) fn validate_varlen(
             format!("{:?}", cu_seqlens_k.dims()),
         ));
     }
-    let (scale, alibi_per_batch) = check_common(q, k, v, b, hq, hkv, d, dk, p)?;
+    let (scale, scale_f64, alibi_per_batch) = check_common(q, k, v, b, hq, hkv, d, dk, p)?;
     let q_strides = strides3("q", q.layout())?;
     let k_strides = strides3("k", k.layout())?;
     let v_strides = strides3("v", v.layout())?;
@@ -457,7 +493,8 @@ pub(crate) fn validate_varlen(
         d,
         dtype: q.dtype(),
         scale,
-        mask: p.mask.canonical(),
+        scale_f64,
+        mask: normalise_mask(p.mask, max_seqlen_q, max_seqlen_k),
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,
@@ -648,7 +685,8 @@ pub(crate) fn validate_paged(
         &format!("(batch,) = ({b},)"),
     )?;
     let max_pages = page_table.dims()[1];
-    let (scale, alibi_per_batch) = check_common(q, k_pages, v_pages, b, hq, hkv, d, dk, p)?;
+    let (scale, scale_f64, alibi_per_batch) =
+        check_common(q, k_pages, v_pages, b, hq, hkv, d, dk, p)?;
     if page_size == 0 || num_pages == 0 || max_pages == 0 {
         return Err(bad(
             "k_pages",
@@ -692,7 +730,8 @@ pub(crate) fn validate_paged(
         d,
         dtype: q.dtype(),
         scale,
-        mask: p.mask.canonical(),
+        scale_f64,
+        mask: normalise_mask(p.mask, sq, max_pages * page_size),
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,
@@ -800,6 +839,10 @@ pub(crate) fn validate_append(
         ));
     }
     let (num_pages, page_size, hkv, d) = k_pages.dims4()?;
+    // The pools are written row by row at (page, row, head) strides: the head dim must be dense,
+    // as attention_paged requires when it reads them.
+    strides4("k_pages", k_pages.layout())?;
+    strides4("v_pages", v_pages.layout())?;
     let (rank, layout) = if cu_new.is_some() {
         (3, "(total_new, heads_kv, head_dim)")
     } else {

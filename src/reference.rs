@@ -30,11 +30,14 @@ pub(crate) trait Acc:
     + 'static
 {
     const ZERO: Self;
+    const ONE: Self;
     const NEG_INF: Self;
+    const INF: Self;
     fn of(x: f64) -> Self;
     fn f64(self) -> f64;
     fn exp(self) -> Self;
     fn tanh(self) -> Self;
+    fn is_nan(self) -> bool;
     /// `a * b + c`, fused when `FMA` (only instantiated with `FMA` where the CPU has it).
     fn madd<const FMA: bool>(a: Self, b: Self, c: Self) -> Self;
     /// `exp` of every element of `xs`, whose elements are all `<= 0` or `-inf`.
@@ -45,7 +48,9 @@ macro_rules! acc {
     ($t:ty, $exp_nonpos:expr) => {
         impl Acc for $t {
             const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
             const NEG_INF: Self = <$t>::NEG_INFINITY;
+            const INF: Self = <$t>::INFINITY;
             #[inline(always)]
             fn of(x: f64) -> Self {
                 x as $t
@@ -61,6 +66,10 @@ macro_rules! acc {
             #[inline(always)]
             fn tanh(self) -> Self {
                 <$t>::tanh(self)
+            }
+            #[inline(always)]
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
             }
             #[inline(always)]
             fn madd<const FMA: bool>(a: Self, b: Self, c: Self) -> Self {
@@ -112,12 +121,19 @@ fn exp_nonpos_f32(xs: &mut [f32]) {
 }
 
 /// Keys visible to query row `i`: the half-open range `lo..hi` (empty when `lo >= hi`).
+/// Any bound (up to `usize::MAX`) is handled: the arithmetic saturates, and a bound that
+/// saturates is beyond every key anyway.
 pub(crate) fn visible_keys(i: usize, sq: usize, sk: usize, mask: Mask) -> (usize, usize) {
-    let diag = i as i64 + sk as i64 - sq as i64;
+    let wide = |x: usize| i64::try_from(x).unwrap_or(i64::MAX);
+    let diag = wide(i).saturating_add(wide(sk)).saturating_sub(wide(sq));
     let (left, right) = mask.bounds();
-    let lo = left.map_or(0, |l| (diag - l as i64).max(0));
-    let hi = right.map_or(sk as i64, |r| (diag + r as i64 + 1).clamp(0, sk as i64));
-    (lo.min(sk as i64) as usize, hi as usize)
+    let lo = left.map_or(0, |l| diag.saturating_sub(wide(l)).max(0));
+    let hi = right.map_or(wide(sk), |r| {
+        diag.saturating_add(wide(r))
+            .saturating_add(1)
+            .clamp(0, wide(sk))
+    });
+    (lo.min(wide(sk)) as usize, hi as usize)
 }
 
 /// Query rows per tile (the micro-kernels' register block).
@@ -245,6 +261,10 @@ struct Ctx<'a, T, A> {
     p: &'a Problem,
     slopes: Option<&'a [f32]>,
     scale: A,
+    /// `|scale| <= 1`: q is multiplied by the scale as it is loaded (the products can then only
+    /// shrink); otherwise the dot product is scaled. Either way the score does not overflow
+    /// while `sum_x |scale * q_x * k_x|` is finite.
+    prescale: bool,
     softcap: Option<A>,
     ratio: usize,
     /// V read in place (the input already is the accumulator type).
@@ -378,6 +398,11 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
             if r < nr && lo < hi {
                 let o = bi * p.q_strides[0] + i * p.q_strides[1] + h * p.q_strides[2];
                 load_row(&self.q[o..o + d], dst);
+                if self.prescale {
+                    for x in dst.iter_mut() {
+                        *x = *x * self.scale;
+                    }
+                }
             } else {
                 dst.fill(A::ZERO);
             }
@@ -400,6 +425,9 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
             } else {
                 qk_rows::<A, FMA>(&sc.q, d, kr, blk, n, &mut sc.s);
             }
+            // Keys of the block each row sees, `a..z` relative to `blk`; empty for rows that
+            // see none of them (and for padding rows).
+            let mut rng = [(0usize, 0usize); MR];
             for (r, &(i, h, lo, hi)) in rows.iter().enumerate() {
                 let srow = &mut sc.s[r * KB..r * KB + n];
                 if r >= nr || lo >= hi || hi <= blk || lo >= blk + n {
@@ -407,14 +435,21 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
                     continue;
                 }
                 if self.softcap.is_none() && self.slopes.is_none() {
-                    for e in srow.iter_mut() {
-                        *e = *e * self.scale;
+                    if !self.prescale {
+                        for e in srow.iter_mut() {
+                            *e = *e * self.scale;
+                        }
                     }
                 } else {
                     let diag = i as f64 + sk as f64 - sq as f64;
-                    let slope = self.slopes.map(|s| A::of(s[h] as f64));
+                    // A non-finite slope makes its head's rows NaN (docs/numeric contract):
+                    // `inf * 0` on the diagonal would otherwise depend on the mask.
+                    let slope = self.slopes.map(|s| {
+                        let s = s[h];
+                        A::of(if s.is_finite() { s as f64 } else { f64::NAN })
+                    });
                     for (jj, e) in srow.iter_mut().enumerate() {
-                        let mut s = *e * self.scale;
+                        let mut s = if self.prescale { *e } else { *e * self.scale };
                         if let Some(c) = self.softcap {
                             s = c * (s / c).tanh();
                         }
@@ -426,10 +461,43 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
                 }
                 // Keys outside lo..hi (the block holds at least one visible key).
                 let (a, z) = (lo.saturating_sub(blk), (hi - blk).min(n));
+                rng[r] = (a, z);
                 srow[..a].fill(A::NEG_INF);
                 srow[z..].fill(A::NEG_INF);
+                // The max ignores NaN scores; they reach `l` through the sum below.
                 let bm = lanes(&srow[a..z], A::NEG_INF, |m, x| if x > m { x } else { m });
                 let m_new = if bm > m[r] { bm } else { m[r] };
+                if m_new == A::NEG_INF {
+                    // Every visible score so far is -inf (or NaN): no weight yet. A NaN score
+                    // poisons the row through `l`.
+                    if srow[a..z].iter().any(|&x| x.is_nan()) {
+                        l[r] += A::of(f64::NAN);
+                    }
+                    srow.fill(A::ZERO);
+                    continue;
+                }
+                if m_new == A::INF {
+                    // The +inf scores share the row's weight (the softmax's limit); earlier
+                    // finite scores get weight 0 (NaN kept).
+                    if m[r] != A::INF {
+                        for o in sc.o[r * d..(r + 1) * d].iter_mut() {
+                            *o = *o * A::ZERO;
+                        }
+                        l[r] = l[r] * A::ZERO;
+                    }
+                    for e in srow.iter_mut() {
+                        *e = if *e == A::INF {
+                            A::ONE
+                        } else if e.is_nan() {
+                            *e
+                        } else {
+                            A::ZERO
+                        };
+                    }
+                    l[r] += lanes(srow, A::ZERO, |a, x| a + x);
+                    m[r] = m_new;
+                    continue;
+                }
                 for e in srow.iter_mut() {
                     *e = *e - m_new;
                 }
@@ -445,15 +513,13 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
                 l[r] += sum;
                 m[r] = m_new;
             }
-            if d % 16 == 0 {
-                pv_micro::<A, FMA, 16>(&sc.s, n, vr, blk, &mut sc.o, d);
-            } else {
-                pv_micro::<A, FMA, 8>(&sc.s, n, vr, blk, &mut sc.o, d);
-            }
+            pv_block::<A, FMA>(&sc.s, &rng, vr, blk, &mut sc.o, d);
             blk += KB;
         }
         for (r, &(i, h, lo, hi)) in rows.iter().enumerate() {
-            if r >= nr || lo >= hi {
+            // Rows that see no key, or whose visible scores are all -inf, stay zero with LSE
+            // -inf (a NaN score has made `l` NaN: that row is written, NaN).
+            if r >= nr || lo >= hi || (m[r] == A::NEG_INF && !l[r].is_nan()) {
                 continue;
             }
             let orow = &mut sc.o[r * d..(r + 1) * d];
@@ -550,23 +616,75 @@ fn qk_micro<A: Acc, const FMA: bool>(q: &[A], d: usize, kt: &[A], s: &mut [A], c
     }
 }
 
-/// `o[r] += sum_j p[r][j] * V[j0 + j]` over the first `n` keys of the block; `p` is
-/// `(MR, KB)`, `o` is `(MR, d)`.
+/// `o[r] += sum_{j in a_r..z_r} p[r][j] * V[j0 + j]` with `(a_r, z_r) = rng[r]`: each row reads
+/// only the V rows of the keys it sees, so a NaN or Inf in a V row a row does not see never
+/// reaches it (a masked key is skipped, not multiplied by 0). The keys every row with a
+/// non-empty range sees run through [`pv_micro`] for all rows at once; the rest row by row.
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // `j` indexes V rows and every row of `p`
-fn pv_micro<A: Acc, const FMA: bool, const W: usize>(
+fn pv_block<A: Acc, const FMA: bool>(
     p: &[A],
-    n: usize,
+    rng: &[(usize, usize); MR],
     v: Rows<'_, A>,
     j0: usize,
     o: &mut [A],
     d: usize,
 ) {
-    let pr: [&[A]; MR] = std::array::from_fn(|r| &p[r * KB..r * KB + n]);
+    let live: [bool; MR] = std::array::from_fn(|r| rng[r].0 < rng[r].1);
+    if !live.iter().any(|&x| x) {
+        return;
+    }
+    let (mut a, mut z) = (0, usize::MAX);
+    for r in 0..MR {
+        if live[r] {
+            a = a.max(rng[r].0);
+            z = z.min(rng[r].1);
+        }
+    }
+    let z = z.max(a);
+    if a < z {
+        if d.is_multiple_of(16) {
+            pv_micro::<A, FMA, 16>(p, a, z, v, j0, o, d, &live);
+        } else {
+            pv_micro::<A, FMA, 8>(p, a, z, v, j0, o, d, &live);
+        }
+    }
+    for r in 0..MR {
+        if !live[r] {
+            continue;
+        }
+        let (ra, rz) = rng[r];
+        let orow = &mut o[r * d..(r + 1) * d];
+        let prow = &p[r * KB..(r + 1) * KB];
+        // This row's keys outside the shared a..z: before it and after it.
+        for (s, e) in [(ra, a.min(rz)), (z.max(ra), rz)] {
+            for (j, &pv) in prow.iter().enumerate().take(e).skip(s) {
+                for (oo, &x) in orow.iter_mut().zip(v.row(j0 + j, d)) {
+                    *oo = A::madd::<FMA>(pv, x, *oo);
+                }
+            }
+        }
+    }
+}
+
+/// `o[r] += sum_{j in a..z} p[r][j] * V[j0 + j]` for the rows with `keep[r]` (the others are left
+/// as they are); `p` is `(MR, KB)`, `o` is `(MR, d)`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)] // `j` indexes V and `p`
+fn pv_micro<A: Acc, const FMA: bool, const W: usize>(
+    p: &[A],
+    a: usize,
+    z: usize,
+    v: Rows<'_, A>,
+    j0: usize,
+    o: &mut [A],
+    d: usize,
+    keep: &[bool; MR],
+) {
+    let pr: [&[A]; MR] = std::array::from_fn(|r| &p[r * KB..r * KB + z]);
     for c in (0..d).step_by(W) {
         let mut acc: [[A; W]; MR] =
             std::array::from_fn(|r| o[r * d + c..r * d + c + W].try_into().unwrap());
-        for j in 0..n {
+        for j in a..z {
             let vr: &[A; W] = v.row(j0 + j, d)[c..c + W].try_into().unwrap();
             for r in 0..MR {
                 let pv = pr[r][j];
@@ -576,7 +694,9 @@ fn pv_micro<A: Acc, const FMA: bool, const W: usize>(
             }
         }
         for (r, a) in acc.iter().enumerate() {
-            o[r * d + c..r * d + c + W].copy_from_slice(a);
+            if keep[r] {
+                o[r * d + c..r * d + c + W].copy_from_slice(a);
+            }
         }
     }
 }
@@ -650,7 +770,13 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
         v,
         p,
         slopes,
-        scale: A::of(p.scale as f64),
+        // The f64 path takes the scale in f64 (the default 1 / sqrt(d) computed in f64).
+        scale: if std::mem::size_of::<A>() == 8 {
+            A::of(p.scale_f64)
+        } else {
+            A::of(p.scale as f64)
+        },
+        prescale: p.scale.abs() <= 1.0,
         softcap: p.softcap.map(|c| A::of(c as f64)),
         ratio,
         v_direct: same::<T, A>(v),
@@ -680,40 +806,44 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
     (out, lse)
 }
 
-/// `(seq_q, seq_k)` additive mask: 0 where visible, -inf elsewhere, in `dtype`.
-pub(crate) fn mask_bias(
-    sq: usize,
-    sk: usize,
-    mask: Mask,
-    dtype: DType,
-    dev: &Device,
-) -> Result<Tensor> {
-    let mut m = vec![f32::NEG_INFINITY; sq * sk];
-    for i in 0..sq {
-        let (lo, hi) = visible_keys(i, sq, sk, mask);
-        for j in lo..hi.max(lo) {
-            m[i * sk + j] = 0.0;
-        }
-    }
-    Tensor::from_vec(m, (sq, sk), dev)?.to_dtype(dtype)
-}
-
-/// `(heads_q, seq_q, seq_k)` ALiBi bias `-slope[h] * |j - (i + sk - sq)|`.
+/// `(1 or batch, heads_q, seq_q, seq_k)` ALiBi bias `-slope[b][h] * |j - (i + sk - sq)|` in
+/// `dtype`, from slopes `(heads_q,)` or `(batch, heads_q)`; a non-finite slope becomes NaN (its
+/// head's rows are NaN, as on the fused path).
 fn alibi_bias(slopes: &Tensor, sq: usize, sk: usize, dtype: DType) -> Result<Tensor> {
     let dev = slopes.device();
     let i = Tensor::arange(0u32, sq as u32, dev)?
-        .to_dtype(DType::F32)?
+        .to_dtype(DType::F64)?
         .reshape((sq, 1))?;
     let j = Tensor::arange(0u32, sk as u32, dev)?
-        .to_dtype(DType::F32)?
+        .to_dtype(DType::F64)?
         .reshape((1, sk))?;
     let dist = j.broadcast_sub(&(i + (sk as f64 - sq as f64))?)?.abs()?;
-    let h = slopes.dims1()?;
-    slopes
-        .reshape((h, 1, 1))?
-        .broadcast_mul(&dist.unsqueeze(0)?)?
-        .neg()?
-        .to_dtype(dtype)
+    let flat: Vec<f32> = slopes.flatten_all()?.to_vec1::<f32>()?;
+    let flat: Vec<f64> = flat
+        .iter()
+        .map(|&x| if x.is_finite() { x as f64 } else { f64::NAN })
+        .collect();
+    let (nb, h) = match slopes.dims() {
+        [h] => (1, *h),
+        [b, h] => (*b, *h),
+        d => candle_core::bail!("flashcore: alibi_slopes: unexpected shape {d:?}"),
+    };
+    Tensor::from_vec(flat, (nb, h, 1, 1), dev)?
+        .to_dtype(dtype)?
+        .broadcast_mul(&dist.to_dtype(dtype)?.unsqueeze(0)?.unsqueeze(0)?)?
+        .neg()
+}
+
+/// `(seq_q, seq_k)` u8: 1 where the key is visible.
+fn visible_mask(sq: usize, sk: usize, mask: Mask, dev: &Device) -> Result<Tensor> {
+    let mut m = vec![0u8; sq * sk];
+    for i in 0..sq {
+        let (lo, hi) = visible_keys(i, sq, sk, mask);
+        for x in &mut m[i * sk + lo..i * sk + hi.max(lo)] {
+            *x = 1;
+        }
+    }
+    Tensor::from_vec(m, (sq, sk), dev)
 }
 
 /// Eager attention from candle ops in the input dtype: transpose, repeat K/V for GQA, matmul,
@@ -743,22 +873,24 @@ pub(crate) fn eager_chunked(
     }
     let parts = if p.b > 1 {
         let h = p.b / 2;
-        vec![
-            eager_chunked(
-                &q.narrow(0, 0, h)?,
-                &k.narrow(0, 0, h)?,
-                &v.narrow(0, 0, h)?,
-                params,
+        let mut out = Vec::with_capacity(2);
+        for (b0, n) in [(0, h), (h, p.b - h)] {
+            let mut sub = params.clone();
+            if p.alibi_per_batch {
+                sub.alibi_slopes = match &params.alibi_slopes {
+                    Some(sl) => Some(sl.narrow(0, b0, n)?),
+                    None => None,
+                };
+            }
+            out.push(eager_chunked(
+                &q.narrow(0, b0, n)?,
+                &k.narrow(0, b0, n)?,
+                &v.narrow(0, b0, n)?,
+                &sub,
                 max_elems,
-            )?,
-            eager_chunked(
-                &q.narrow(0, h, p.b - h)?,
-                &k.narrow(0, h, p.b - h)?,
-                &v.narrow(0, h, p.b - h)?,
-                params,
-                max_elems,
-            )?,
-        ]
+            )?);
+        }
+        out
     } else {
         // Query heads [g * ratio, (g + n) * ratio) read KV heads [g, g + n).
         let ratio = p.h_ratio();
@@ -767,7 +899,7 @@ pub(crate) fn eager_chunked(
         for (g, n) in [(0, h), (h, p.hkv - h)] {
             let mut sub = params.clone();
             sub.alibi_slopes = match &params.alibi_slopes {
-                Some(sl) => Some(sl.narrow(0, g * ratio, n * ratio)?),
+                Some(sl) => Some(sl.narrow(sl.rank() - 1, g * ratio, n * ratio)?),
                 None => None,
             };
             out.push(eager_chunked(
@@ -783,13 +915,28 @@ pub(crate) fn eager_chunked(
     Tensor::cat(&parts, if p.b > 1 { 0 } else { 2 })
 }
 
+/// The eager path computes in f32 (f64 for f64 inputs) and casts the result back, so f16 and
+/// bf16 do not overflow where the fused path (which accumulates in f32) is finite; the numeric
+/// rules are the fused path's (crate docs): masked keys never reach a row (their scores are
+/// replaced, not added to, and with non-finite V rows each row reads only its visible keys),
+/// +inf scores share the weight, a row whose visible scores are all -inf gives zeros.
 fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Result<Tensor> {
     let p = crate::params::validate(q, k, v, params)?;
     let dtype = p.dtype;
+    let cd = if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let scale = if cd == DType::F64 {
+        p.scale_f64
+    } else {
+        p.scale as f64
+    };
     let ratio = p.h_ratio();
-    let q = q.transpose(1, 2)?.contiguous()?; // (b, hq, sq, d)
+    let q = q.transpose(1, 2)?.to_dtype(cd)?.contiguous()?; // (b, hq, sq, d)
     let repeat = |t: &Tensor| -> Result<Tensor> {
-        let t = t.transpose(1, 2)?; // (b, hkv, sk, d)
+        let t = t.transpose(1, 2)?.to_dtype(cd)?; // (b, hkv, sk, d)
         let t = if ratio == 1 {
             t
         } else {
@@ -802,26 +949,80 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
     };
     let k = repeat(k)?;
     let v = repeat(v)?;
-    let mut s = (q.matmul(&k.t()?)? * p.scale as f64)?;
+    // As the fused path: a scale of at most 1 in magnitude is applied to q first (the products
+    // can only shrink), a larger one to the dot products.
+    let mut s = if scale.abs() <= 1.0 {
+        (&q * scale)?.matmul(&k.t()?)?
+    } else {
+        (q.matmul(&k.t()?)? * scale)?
+    };
     if let Some(c) = p.softcap {
         s = ((s / c as f64)?.tanh()? * c as f64)?;
     }
     if let Some(sl) = &params.alibi_slopes {
-        s = s.broadcast_add(&alibi_bias(sl, p.sq, p.sk, dtype)?)?;
+        s = s.broadcast_add(&alibi_bias(sl, p.sq, p.sk, cd)?)?;
     }
-    let any_masked = p.mask != Mask::None;
-    if any_masked {
-        s = s.broadcast_add(&mask_bias(p.sq, p.sk, p.mask, dtype, s.device())?)?;
+    let dev = s.device().clone();
+    let vis = (p.mask != Mask::None)
+        .then(|| visible_mask(p.sq, p.sk, p.mask, &dev))
+        .transpose()?;
+    let neg_inf = Tensor::full(f64::NEG_INFINITY, (), &dev)?.to_dtype(cd)?;
+    if let Some(vis) = &vis {
+        // Replaced, not added to: a NaN score of a masked key must not survive.
+        s = vis
+            .broadcast_as(s.shape())?
+            .where_cond(&s, &neg_inf.broadcast_as(s.shape())?)?;
     }
+    let rmax = s.max_keepdim(D::Minus1)?;
     let mut w = candle_nn::ops::softmax_last_dim(&s)?;
-    if any_masked {
-        // A fully masked row gives NaN (0/0) in the softmax; the function defines it as zeros.
-        let empty = s.max_keepdim(D::Minus1)?.eq(f64::NEG_INFINITY)?;
-        w = empty
-            .broadcast_as(w.shape())?
-            .where_cond(&w.zeros_like()?, &w)?;
-    }
-    w.matmul(&v)?.transpose(1, 2)?.contiguous()
+    // +inf scores share the row's weight (the softmax's limit).
+    let pinf = s.eq(f64::INFINITY)?.to_dtype(cd)?;
+    let share = pinf.broadcast_div(&pinf.sum_keepdim(D::Minus1)?)?;
+    let has_pinf = rmax.eq(f64::INFINITY)?.broadcast_as(w.shape())?;
+    let nan_row = s.ne(&s)?.max_keepdim(D::Minus1)?;
+    let has_nan = nan_row.broadcast_as(w.shape())?;
+    let nan = Tensor::full(f64::NAN, (), &dev)?
+        .to_dtype(cd)?
+        .broadcast_as(w.shape())?;
+    w = has_pinf.where_cond(&share, &w)?;
+    // Rows whose visible scores are all -inf (no visible key included): zeros.
+    let empty_row = (rmax.eq(f64::NEG_INFINITY)? * nan_row.eq(0u8)?)?;
+    w = empty_row
+        .broadcast_as(w.shape())?
+        .where_cond(&w.zeros_like()?, &w)?;
+    // A NaN score makes its row NaN (the max above may have skipped it).
+    w = has_nan.where_cond(&nan, &w)?;
+    let v_finite = v
+        .sub(&v)?
+        .eq(0.0)?
+        .min_keepdim(D::Minus1)?
+        .flatten_all()?
+        .min(0)?;
+    let o = match (&vis, v_finite.to_scalar::<u8>()? == 1) {
+        (Some(_), false) => {
+            // A non-finite V row must reach only the rows that see it: row by row over the
+            // visible range (w @ v would multiply it by the masked rows' 0).
+            let (b, hq, sq, d) = (p.b, p.hq, p.sq, p.d);
+            let mut rows = Vec::with_capacity(sq);
+            for i in 0..sq {
+                let (lo, hi) = visible_keys(i, sq, p.sk, p.mask);
+                let wi = w.narrow(2, i, 1)?;
+                rows.push(if lo < hi {
+                    let r = wi.narrow(3, lo, hi - lo)?.contiguous()?;
+                    r.matmul(&v.narrow(2, lo, hi - lo)?.contiguous()?)?
+                } else {
+                    Tensor::zeros((b, hq, 1, d), cd, &dev)?
+                });
+            }
+            Tensor::cat(&rows, 2)?
+        }
+        _ => w.matmul(&v)?,
+    };
+    // Those rows are zeros even where a visible V row holds NaN or Inf (no weight is given).
+    let o = empty_row
+        .broadcast_as(o.shape())?
+        .where_cond(&o.zeros_like()?, &o)?;
+    o.transpose(1, 2)?.to_dtype(dtype)?.contiguous()
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //!
 //!   cargo run --release --features cuda --example bench -- --grid fa3 --backend all
 //!   cargo run --release --example bench            (CPU, default problem)
-//!   ... --grid fa3 --head-dim 96                   (any head dim; fa3 heads = 2048 / d)
+//!   ... --grid fa3 --head-dim 96                   (any multiple of 8 up to 256; fa3 heads = 2048 / d)
 //!   ... --varlen mixed:64:128:4096 --shape 0,32,8,0,0,128 --causal
 //!       (a packed batch: `varlen` runs attention_varlen, `padded` the dense call on the batch
 //!        padded to its longest sequence; TFLOPS count the useful work of both)

@@ -605,6 +605,19 @@ pub fn flash_attn_varlen_paged_windowed(
             seqlens_k.dims()
         )
     }
+    if seqlens_k.dtype() == DType::U32 && seqlens_k.device().is_cpu() {
+        // candle's u32 subtraction panics (debug) or wraps on a decreasing pair: check first.
+        let cu = seqlens_k.to_vec1::<u32>()?;
+        if let Some(i) = cu.windows(2).position(|w| w[1] < w[0]) {
+            candle_core::bail!(
+                "candle-flash-attn (flashcore): {function}: seqlens_k must be non-decreasing \
+                 prefix sums, got entry {} = {} after {}",
+                i + 1,
+                cu[i + 1],
+                cu[i]
+            )
+        }
+    }
     let lens = (seqlens_k.narrow(0, 1, n - 1)? - seqlens_k.narrow(0, 0, n - 1)?)?;
     let table = match block_table.dtype() {
         DType::U32 => block_table.clone(),

@@ -688,6 +688,46 @@ fn flash_attn_varlen_paged_windowed_matches_packed() -> Result<()> {
     Ok(())
 }
 
+/// Decreasing key prefix sums are the prefix-sum error, not a panic of candle's u32
+/// subtraction (debug builds) or a wrapped length (release).
+#[test]
+fn flash_attn_varlen_paged_windowed_decreasing_seqlens_k() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = randn(&[4, 2, 32])?;
+    let pool = randn(&[4, 16, 2, 32])?;
+    let cq = Tensor::new(&[0u32, 2, 4], &dev)?;
+    let ck = Tensor::new(&[0u32, 20, 5], &dev)?;
+    let bt = Tensor::new(&[[0u32, 1], [2, 3]], &dev)?;
+    let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        cfa::flash_attn_varlen_paged_windowed(
+            &q,
+            &pool,
+            &pool,
+            &cq,
+            &ck,
+            &bt,
+            None,
+            2,
+            20,
+            0.3,
+            None,
+            Some(0),
+            16,
+            None,
+        )
+        .map(|_| ())
+    }));
+    let msg = got
+        .expect("decreasing seqlens_k panicked")
+        .expect_err("decreasing seqlens_k accepted")
+        .to_string();
+    assert!(
+        msg.contains("seqlens_k") && msg.contains("non-decreasing"),
+        "{msg}"
+    );
+    Ok(())
+}
+
 #[test]
 fn head_dim_above_256_is_an_error_not_a_guess() -> Result<()> {
     // candle-flash-attn takes head dims up to 512; flashcore stops at 256 and says so.
