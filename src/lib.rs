@@ -49,7 +49,8 @@
 //!
 //! ## Non-finite values
 //! Scores are computed in f32 (f64 for f64 inputs). `softmax_scale` must be finite (any finite
-//! value, `f32::MAX` included; the GPU kernels also need it `> 0`), `softcap` finite and `> 0`:
+//! value, `f32::MAX` included; the GPU kernels take `0 < scale <= 1024`), `softcap` finite and
+//! `> 0`:
 //! otherwise an error. The dot product is scaled where that keeps it finite: a scale of at most
 //! 1 in magnitude multiplies q first, a larger one the dot product, so a score is finite
 //! whenever `sum_x |scale * q_x * k_x|` is. Then, per query row, over the keys it sees:

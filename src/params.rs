@@ -50,7 +50,8 @@ impl Mask {
 #[derive(Clone, Debug, Default)]
 pub struct AttnParams {
     /// Multiplies `q . k`; `None` means `1 / sqrt(head_dim)`. Any finite value on the CPU; the
-    /// GPU kernels take a scale > 0 (otherwise an error naming the option). For f64 inputs the
+    /// GPU kernels take `0 < scale <= 1024` (otherwise an error naming the option: they fold
+    /// `scale * log2(e)` into the exponent of raw f32 scores). For f64 inputs the
     /// default is computed in f64; a scale given here is an f32, used exactly (widened), so an
     /// f64 caller needing a scale that is not an f32 value has no way to pass it.
     pub softmax_scale: Option<f32>,
