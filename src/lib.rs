@@ -39,8 +39,9 @@
 //!
 //! ## Head dims
 //! Every multiple of 8 up to 256 runs everywhere. The GPU kernels are compiled for 64, 128 and
-//! 256; other head dims run on the next one up with the extra columns zero-filled in shared
-//! memory (no copy; the compute of the padded columns is spent).
+//! 256, with narrow variants that compute only 32, 96, 160 or 192 columns (sm90 twins, sm80
+//! bodies chosen per launch); other head dims run on the next kernel up with the extra columns
+//! zero-filled in shared memory (no copy; the compute of the padded columns is spent).
 //!
 //! ## Scores
 //! `s = softmax_scale * q . k`; then, if `softcap` is set, `s = softcap * tanh(s / softcap)`; then,
