@@ -45,7 +45,8 @@ pub(crate) struct Knobs {
     /// stream-ordered launches; debugging).
     pub no_pdl: bool,
     /// `FLASHCORE_FATBIN_DIR=dir`: load `dir/fc_<family>.fatbin` instead of the embedded
-    /// kernels when that file exists (kernel development without relinking; dev/README.md).
+    /// kernels when that file exists (kernel development without relinking;
+    /// docs/kernel-development.md).
     pub fatbin_dir: Option<PathBuf>,
     /// `FLASHCORE_SKIP_VARIANTS=substr[,substr]`: the dispatcher passes over the kernel variants
     /// whose symbol contains a substring and takes the next candidate (tile A/B tests).

@@ -625,8 +625,8 @@ fn non_finite_alibi_slopes() -> Result<()> {
 }
 
 /// Softmax scales: the GPU kernels fold `scale * log2(e)` into the exponent of raw f32 scores and
-/// take 0 < scale <= 2^10 (`flashcore::cuda::GPU_MAX_SCALE`). Above it (f32::MAX gave all-NaN,
-/// issue 53) the call is a clear error naming softmax_scale. At 2^10, on integer-valued q and k
+/// take 0 < scale <= 2^10 (`flashcore::cuda::GPU_MAX_SCALE`). Above it (f32::MAX gave all-NaN)
+/// the call is a clear error naming softmax_scale. At 2^10, on integer-valued q and k
 /// (scores 1 or more apart, ties exact), the answer is the f64 reference's: each row's argmax
 /// key, ties shared. Raw dot products up to ~1e29 (q and k entries of 2^46) with a scale of
 /// 2^-95 keep the usual accuracy: the scores are accumulated unscaled in f32.

@@ -169,7 +169,7 @@ __device__ __forceinline__ bool pages_lie(const FcParams& p, int bi) {
 // could not place are NaN too. Costs no host sync. Grid (b) with a page table, else (1); 256
 // threads. On sm_90 the host launches it as a programmatic dependent (the tables are read before
 // griddepcontrol.wait). Split-KV decodes with p.combine_checks do the same checks in the combine.
-#ifndef FC_NO_SHARED_KERNELS  // defined by dev/ harnesses whose other translation units hold it
+#ifndef FC_NO_SHARED_KERNELS  // for a unit linked beside another that already defines it
 extern "C" __global__ void __launch_bounds__(256) fc_check_seqlens(const FcParams p, uint64_t n_o, uint64_t n_lse) {
     const int bi = blockIdx.x;
     const bool all = __syncthreads_or(bi == 0 && fc::prefix_sums_lie(p));

@@ -19,7 +19,7 @@
 // (natural log) f32; empty rows O = 0, LSE = -inf (16-byte stores).
 //
 // ---------------------------------------------------------------------------------------------
-// LAUNCH CONTRACT (host side; see dev/sm90/harness.cu make_maps() for the reference code)
+// LAUNCH CONTRACT (host side; src/cuda/tma.rs `encode` builds the tensor maps)
 //   kernel:  SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,
 //                   const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
 //                   const __grid_constant__ CUtensorMap tm_o)
