@@ -171,7 +171,7 @@ pub fn describe(
     k: &Tensor,
     v: &Tensor,
 ) -> Result<String> {
-    let prob = for_kernels(&crate::params::validate(q, k, v, p)?);
+    let prob = crate::params::validate(q, k, v, p)?;
     let info = device_info(dev)?;
     let v = choose(&prob, &info)?;
     Ok(v.symbol() + &route_note(&prob, v, &info))
@@ -218,9 +218,8 @@ pub fn describe_paged(
     seqlens_k: &Tensor,
     packed_q: Option<(&Tensor, usize)>,
 ) -> Result<String> {
-    let prob = for_kernels(&crate::params::validate_paged(
-        q, k_pages, v_pages, page_table, seqlens_k, packed_q, p,
-    )?);
+    let prob =
+        crate::params::validate_paged(q, k_pages, v_pages, page_table, seqlens_k, packed_q, p)?;
     let info = device_info(dev)?;
     let v = choose(&prob, &info)?;
     if v.kind == KKind::Decode {
@@ -315,26 +314,9 @@ pub fn kernel_head_dim(d: usize) -> u32 {
 /// the bound is on the data (the numeric contract states it).
 pub const GPU_MAX_SCALE: f32 = 1024.0;
 
-/// `p` as the kernels run it: a window bound that no row of the problem can reach (left >= sk:
-/// the band's lower end `diag - left` is <= 0 for every row, since diag <= sk - 1; right >= sq:
-/// its upper end `diag + right` is >= sk - 1, since diag >= sk - sq) is no bound, and the mask
-/// is then canonical (a window of (unbounded, 0) is the causal mask). `sq` / `sk` are the
-/// problem's bounds (max_seqlen_q / _k, the paged pool's `max_pages * page_size`), so this holds
-/// for every sequence of a packed or paged batch. Every bound left is below sk or sq, so the
-/// kernels' int32 band arithmetic (`diag - left`, `diag + right + 1`) stays in range.
-fn for_kernels(p: &Problem) -> Problem {
-    let (left, right) = p.mask.bounds();
-    let mask = Mask::Window {
-        left: left.filter(|&l| l < p.sk),
-        right: right.filter(|&r| r < p.sq),
-    }
-    .canonical();
-    Problem { mask, ..p.clone() }
-}
-
 /// A window bound as the kernels take it: -1 unbounded, else the bound, saturated at `limit`
-/// (the problem's sk for the left bound, sq for the right one: `for_kernels` already dropped
-/// bounds at or past it, so the saturation only guards the i32 conversion).
+/// (the problem's sk for the left bound, sq for the right one: validation already dropped
+/// bounds at or past it, `params::normalise_mask`, so this only guards the i32 conversion).
 fn kernel_bound(bound: Option<usize>, limit: usize) -> i32 {
     match bound {
         None => -1,
@@ -941,7 +923,9 @@ pub(crate) fn forward(
     want_lse: bool,
 ) -> Result<(CudaStorage, Option<CudaStorage>)> {
     let dev = q.0.device.clone();
-    let p = &for_kernels(p);
+    // Validation dropped every window bound no row can reach (left >= sk, right >= sq), so the
+    // bounds fit the kernels' int32 band arithmetic and Window{huge, 0} runs the causal kernel.
+    debug_assert_eq!(p.mask, crate::params::normalise_mask(p.mask, p.sq, p.sk));
     let variant = choose(p, &device_info(&dev)?)?;
     match p.dtype {
         DType::BF16 => run_typed::<bf16>(&dev, p, variant, extra, q, k, v, want_lse),
