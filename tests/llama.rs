@@ -16,15 +16,20 @@ mod generate;
 mod load;
 #[path = "../examples/llama/model.rs"]
 mod model;
+#[cfg(feature = "cuda")]
+#[path = "../examples/llama/nccl.rs"]
+mod nccl;
 #[path = "fixtures/tiny_llama.rs"]
 mod tiny_llama;
 #[path = "../examples/llama/tokenizer.rs"]
 mod tokenizer;
+#[path = "../examples/llama/tp.rs"]
+mod tp;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 
-use generate::{generate, teacher_forced_agreement, Sampler};
+use generate::{forced_logits, generate, teacher_forced_agreement, Sampler};
 use load::Source;
 use model::{AttnBackend, KvCache, Model};
 use tiny_llama::{smollm2_gguf, write_tiny_llama, TempDir};
@@ -37,8 +42,7 @@ fn greedy(
     eos: &[u32],
 ) -> Result<Vec<u32>> {
     model.attn = backend;
-    let cfg = model.config().clone();
-    let mut cache = KvCache::new(&cfg, 1, prompt.len() + n, DType::F32, &Device::Cpu)?;
+    let mut cache = KvCache::new(model, 1, prompt.len() + n, DType::F32)?;
     let g = generate(
         model,
         &mut cache,
@@ -118,7 +122,7 @@ fn tiny_llama_model_dir_eager_matches_flashcore() -> Result<()> {
     );
 
     // Teacher-forced: both backends agree at every position, decoding and in one pass.
-    let mut cache = KvCache::new(&cfg, 1, prompt.len() + n, DType::F32, &Device::Cpu)?;
+    let mut cache = KvCache::new(&model, 1, prompt.len() + n, DType::F32)?;
     let a = teacher_forced_agreement(&mut model, &mut cache, &prompt, &eager)?;
     println!("  agreement: {a:?}");
     assert_eq!((a.decode_agree, a.prefill_agree), (n, n));
@@ -132,7 +136,7 @@ fn tiny_llama_model_dir_eager_matches_flashcore() -> Result<()> {
     for backend in [AttnBackend::Eager, AttnBackend::Flashcore] {
         model.attn = backend;
         let all: Vec<u32> = prompt.iter().chain(&eager).copied().collect();
-        let mut cache = KvCache::new(&cfg, 1, all.len(), DType::F32, &Device::Cpu)?;
+        let mut cache = KvCache::new(&model, 1, all.len(), DType::F32)?;
         let full = model
             .forward_all(
                 &Tensor::new(all.as_slice(), &Device::Cpu)?.unsqueeze(0)?,
@@ -291,5 +295,114 @@ fn eager_attention_chunks_match_whole() -> Result<()> {
         .max(0)?
         .to_scalar::<f32>()?;
     assert!(diff < 1e-5, "chunked eager differs from whole by {diff}");
+    Ok(())
+}
+
+/// Largest |x| of a tensor.
+fn max_abs(t: &Tensor) -> Result<f32> {
+    Ok(t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
+
+/// Tensor parallelism, emulated on the CPU: two ranks (threads), each with half of the heads
+/// and of the MLP columns, summing partial outputs through `tp::LocalSum`, compute the logits
+/// of the unsharded model: decoding step by step with either attention backend, and the paged
+/// path of examples/serve. Without the all-reduces (or with a wrong split) the logits differ.
+#[test]
+fn tiny_llama_tensor_parallel_two_ranks_equal_one() -> Result<()> {
+    let tmp = TempDir::new("tiny-llama-tp")?;
+    write_tiny_llama(&tmp.0)?;
+    let files = load::dir_files(&tmp.0)?;
+    let (mut one, _) = load::load_files(&files, DType::F32, &Device::Cpu, AttnBackend::Eager)?;
+    let ranks = load::Ranks {
+        devices: vec![Device::Cpu; 2],
+        comms: tp::LocalSum::group(2),
+    };
+    let (mut two, _) = load::load_files_tp(&files, DType::F32, &ranks, AttnBackend::Eager)?;
+    assert_eq!((one.tp(), two.tp()), (1, 2));
+    let vocab = one.config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..23u32).map(|i| (i * 37 + 5) % vocab).collect();
+    let n = 12;
+    for backend in [AttnBackend::Eager, AttnBackend::Flashcore] {
+        one.attn = backend;
+        two.attn = backend;
+        let mut c1 = KvCache::new(&one, 1, prompt.len() + n, DType::F32)?;
+        let mut c2 = KvCache::new(&two, 1, prompt.len() + n, DType::F32)?;
+        let g1 = generate(
+            &one,
+            &mut c1,
+            &prompt,
+            n,
+            &[],
+            &mut Sampler::greedy(),
+            &mut |_| Ok(()),
+        )?;
+        let g2 = generate(
+            &two,
+            &mut c2,
+            &prompt,
+            n,
+            &[],
+            &mut Sampler::greedy(),
+            &mut |_| Ok(()),
+        )?;
+        assert_eq!(g1.tokens, g2.tokens, "{backend:?}: greedy tokens differ");
+        let l1 = forced_logits(&one, &mut c1, &prompt, &g1.tokens)?;
+        let l2 = forced_logits(&two, &mut c2, &prompt, &g1.tokens)?;
+        let (diff, scale) = (max_abs(&(&l1 - &l2)?)?, max_abs(&l1)?);
+        println!("  tp 2 vs 1 ({backend:?}): max |logit diff| {diff:.3e} of {scale:.3}");
+        assert!(diff <= 1e-4 * scale, "{backend:?}: logits differ by {diff}");
+    }
+
+    // The paged path: a prefill chunk and a decode step in one batch.
+    let forward_paged = |m: &Model| -> Result<Tensor> {
+        let pools = m.kv_buffers(8, 16, DType::F32)?;
+        let seqs = [
+            model::SeqStep {
+                tokens: &prompt,
+                cached: 0,
+                pages: &[3, 1],
+            },
+            model::SeqStep {
+                tokens: &prompt[..5],
+                cached: 0,
+                pages: &[6],
+            },
+        ];
+        let batch = model::PagedBatch::new(&seqs, 16, &m.devices())?;
+        let first = m.forward_paged(&batch, &pools)?;
+        let next = [3u32];
+        let step = [model::SeqStep {
+            tokens: &next,
+            cached: prompt.len(),
+            pages: &[3, 1],
+        }];
+        let batch = model::PagedBatch::new(&step, 16, &m.devices())?;
+        Ok(Tensor::cat(&[first, m.forward_paged(&batch, &pools)?], 0)?)
+    };
+    let (p1, p2) = (forward_paged(&one)?, forward_paged(&two)?);
+    assert_eq!(p1.dims(), &[3, vocab as usize]);
+    let (diff, scale) = (max_abs(&(&p1 - &p2)?)?, max_abs(&p1)?);
+    assert!(diff <= 1e-4 * scale, "paged: logits differ by {diff}");
+    Ok(())
+}
+
+/// A split that does not divide the heads is refused, naming the option and the counts.
+#[test]
+fn tensor_parallel_refuses_uneven_heads() -> Result<()> {
+    let tmp = TempDir::new("tiny-llama-tp3")?;
+    write_tiny_llama(&tmp.0)?;
+    let files = load::dir_files(&tmp.0)?;
+    let ranks = load::Ranks {
+        devices: vec![Device::Cpu; 3],
+        comms: tp::LocalSum::group(3),
+    };
+    let err = match load::load_files_tp(&files, DType::F32, &ranks, AttnBackend::Eager) {
+        Ok(_) => panic!("3 ranks over 2 K/V heads were accepted"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(
+        err.contains("--tp 3") && err.contains("2 key-value heads"),
+        "{err}"
+    );
     Ok(())
 }

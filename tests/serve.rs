@@ -15,10 +15,15 @@ mod generate;
 mod load;
 #[path = "../examples/llama/model.rs"]
 mod model;
+#[cfg(feature = "cuda")]
+#[path = "../examples/llama/nccl.rs"]
+mod nccl;
 #[path = "fixtures/tiny_llama.rs"]
 mod tiny_llama;
 #[path = "../examples/llama/tokenizer.rs"]
 mod tokenizer;
+#[path = "../examples/llama/tp.rs"]
+mod tp;
 
 use anyhow::Result;
 use candle_core::{DType, Device};
@@ -28,16 +33,34 @@ use load::Source;
 use model::{AttnBackend, Model};
 
 fn tiny_model() -> Result<Model> {
+    Ok(tiny_models(&[1])?.remove(0))
+}
+
+/// One tiny LLaMA (random weights written once), loaded over each of `tp` counts of emulated
+/// tensor-parallel ranks on the CPU.
+fn tiny_models(tp: &[usize]) -> Result<Vec<Model>> {
     let tmp = tiny_llama::TempDir::new("serve-tiny")?;
     tiny_llama::write_tiny_llama(&tmp.0)?;
-    let loaded = load::load(
-        &Source::Dir(tmp.0.clone()),
-        None,
-        DType::F32,
-        &Device::Cpu,
-        AttnBackend::Flashcore,
-    )?;
-    Ok(loaded.model)
+    tp.iter()
+        .map(|&n| {
+            let ranks = load::Ranks {
+                devices: vec![Device::Cpu; n],
+                comms: if n > 1 {
+                    tp::LocalSum::group(n)
+                } else {
+                    vec![]
+                },
+            };
+            let loaded = load::load_tp(
+                &Source::Dir(tmp.0.clone()),
+                None,
+                DType::F32,
+                &ranks,
+                AttnBackend::Flashcore,
+            )?;
+            Ok(loaded.model)
+        })
+        .collect()
 }
 
 /// Requests with the given (prompt length, new tokens), prompts of pseudo-random ids below
@@ -104,7 +127,7 @@ fn continuous_and_static_batching_match_one_at_a_time() -> Result<()> {
     ];
     let reqs = requests(&shapes, vocab, 11);
     let opt = quiet();
-    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32, &Device::Cpu)?;
+    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32)?;
     for (r, &(_, n)) in alone.finished.iter().zip(&shapes) {
         assert_eq!(r.tokens.len(), n);
     }
@@ -115,7 +138,7 @@ fn continuous_and_static_batching_match_one_at_a_time() -> Result<()> {
         max_seqs: 4,
         max_batch_tokens: 24,
     };
-    let mut pool = KvPool::new(model.config(), 64, 16, DType::F32, &Device::Cpu)?;
+    let mut pool = KvPool::new(&model, 64, 16, DType::F32)?;
     let cont = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool)?;
     assert_same_tokens(&cont, &alone);
     assert_eq!(cont.preemptions, 0);
@@ -133,7 +156,7 @@ fn continuous_and_static_batching_match_one_at_a_time() -> Result<()> {
     // Every page is back in the pool at the end.
     assert_eq!(cont.steps.last().map(|s| s.pages_used), Some(0));
 
-    let stat = engine::serve_static(&model, &reqs, &opt, 3, 200, DType::F32, &Device::Cpu)?;
+    let stat = engine::serve_static(&model, &reqs, &opt, 3, 200, DType::F32)?;
     assert_same_tokens(&stat, &alone);
     Ok(())
 }
@@ -145,13 +168,13 @@ fn continuous_batching_preempts_and_recomputes() -> Result<()> {
     let shapes = [(30, 20), (25, 24), (20, 28), (33, 16), (12, 30), (28, 22)];
     let reqs = requests(&shapes, vocab, 5);
     let opt = quiet();
-    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32, &Device::Cpu)?;
+    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32)?;
     // 16 pages of 8 rows: each request alone needs 6-7 pages, all of them together 40.
     let limits = Limits {
         max_seqs: 8,
         max_batch_tokens: 64,
     };
-    let mut pool = KvPool::new(model.config(), 16, 8, DType::F32, &Device::Cpu)?;
+    let mut pool = KvPool::new(&model, 16, 8, DType::F32)?;
     let cont = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool)?;
     assert!(cont.preemptions > 0, "the pool was never short");
     assert!(cont.finished.iter().any(|f| f.preempted > 0));
@@ -173,12 +196,12 @@ fn sampled_requests_match_and_arrivals_are_honoured() -> Result<()> {
         top_p: 0.95,
         ..quiet()
     };
-    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32, &Device::Cpu)?;
+    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32)?;
     let limits = Limits {
         max_seqs: 8,
         max_batch_tokens: 32,
     };
-    let mut pool = KvPool::new(model.config(), 16, 16, DType::F32, &Device::Cpu)?;
+    let mut pool = KvPool::new(&model, 16, 16, DType::F32)?;
     let cont = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool)?;
     assert_same_tokens(&cont, &alone);
     for f in &cont.finished {
@@ -200,7 +223,7 @@ fn a_request_larger_than_the_pool_is_an_error() -> Result<()> {
         max_seqs: 4,
         max_batch_tokens: 32,
     };
-    let mut pool = KvPool::new(model.config(), 4, 16, DType::F32, &Device::Cpu)?;
+    let mut pool = KvPool::new(&model, 4, 16, DType::F32)?;
     let err = engine::serve_continuous(&model, &reqs, &quiet(), &limits, &mut pool)
         .err()
         .expect("70 rows do not fit 4 pages of 16");
@@ -250,12 +273,12 @@ fn smollm2_serves_chat_requests_as_if_alone() -> Result<()> {
         eos: tok.eos_ids.clone(),
         ..quiet()
     };
-    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32, &Device::Cpu)?;
+    let alone = engine::serve_sequential(&model, &reqs, &opt, DType::F32)?;
     let limits = Limits {
         max_seqs: 4,
         max_batch_tokens: 40,
     };
-    let mut pool = KvPool::new(model.config(), 32, 16, DType::F32, &Device::Cpu)?;
+    let mut pool = KvPool::new(&model, 32, 16, DType::F32)?;
     let cont = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool)?;
     for f in &cont.finished {
         println!("#{}: {:?}", f.id, tok.decode(&f.tokens)?);
@@ -263,5 +286,26 @@ fn smollm2_serves_chat_requests_as_if_alone() -> Result<()> {
     assert_same_tokens(&cont, &alone);
     let paris = tok.decode(&cont.finished[0].tokens)?;
     assert!(paris.contains("Paris"), "{paris:?}");
+    Ok(())
+}
+
+/// Continuous batching over two emulated tensor-parallel ranks (per-rank pools holding half of
+/// the K/V heads each) produces the tokens of the one-rank engine.
+#[test]
+fn continuous_batching_tensor_parallel_matches_one_rank() -> Result<()> {
+    let mut models = tiny_models(&[1, 2])?;
+    let (two, one) = (models.pop().expect("two"), models.pop().expect("one"));
+    let vocab = one.config().vocab_size;
+    let reqs = requests(&[(30, 12), (7, 15), (19, 9), (44, 6)], vocab, 11);
+    let opt = quiet();
+    let limits = Limits {
+        max_seqs: 4,
+        max_batch_tokens: 40,
+    };
+    let mut pool1 = KvPool::new(&one, 32, 8, DType::F32)?;
+    let a = engine::serve_continuous(&one, &reqs, &opt, &limits, &mut pool1)?;
+    let mut pool2 = KvPool::new(&two, 32, 8, DType::F32)?;
+    let b = engine::serve_continuous(&two, &reqs, &opt, &limits, &mut pool2)?;
+    assert_same_tokens(&b, &a);
     Ok(())
 }

@@ -117,6 +117,9 @@ pub struct GenStats {
     /// Largest [`device_mem_used`] seen after prefill and after decoding.
     pub peak_mem: Option<usize>,
     pub hit_eos: bool,
+    /// Time rank 0 spent in all-reduces while decoding (tensor parallelism with
+    /// `--time-allreduce`; 0 otherwise).
+    pub decode_allreduce: Duration,
 }
 
 impl GenStats {
@@ -165,6 +168,7 @@ pub fn generate(
     let mut next = sampler.sample(&logits)?; // copies to the host, so the device has finished
     stats.ttft = start.elapsed();
     stats.peak_mem = device_mem_used(&device);
+    model.allreduce_ms()?; // the decode's share starts here
     let decode_start = Instant::now();
     loop {
         tokens.push(next);
@@ -181,6 +185,7 @@ pub fn generate(
         next = sampler.sample(&logits)?;
     }
     stats.decode_time = decode_start.elapsed();
+    stats.decode_allreduce = Duration::from_secs_f64(model.allreduce_ms()? * 1e-3);
     stats.generated_tokens = tokens.len();
     stats.peak_mem = stats.peak_mem.max(device_mem_used(&device));
     Ok(Generation { tokens, stats })
@@ -270,4 +275,26 @@ pub fn teacher_forced_agreement(
         max_abs_logit_diff: max_diff(&decode_logits[0], &decode_logits[1])?
             .max(max_diff(&prefill_logits[0], &prefill_logits[1])?),
     })
+}
+
+/// Logits `(n, vocab)` f32 on the host after `prompt` and after each of the first `n - 1`
+/// tokens of `continuation`, fed one at a time (decode), with the model's current backend.
+pub fn forced_logits(
+    model: &Model,
+    cache: &mut KvCache,
+    prompt: &[u32],
+    continuation: &[u32],
+) -> Result<Tensor> {
+    anyhow::ensure!(
+        !prompt.is_empty() && !continuation.is_empty(),
+        "need a prompt and a continuation"
+    );
+    let device = cache.device();
+    cache.reset();
+    let n = continuation.len();
+    let mut rows = vec![model.forward_last(&Tensor::new(prompt, &device)?.unsqueeze(0)?, cache)?];
+    for &t in &continuation[..n - 1] {
+        rows.push(model.forward_last(&Tensor::new(&[t], &device)?.unsqueeze(0)?, cache)?);
+    }
+    Ok(Tensor::cat(&rows, 0)?.to_device(&Device::Cpu)?)
 }

@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 
 use crate::model::{AttnBackend, Config, Model};
 use crate::tokenizer::{gguf_int, TextTokenizer};
+use crate::tp::AllReduce;
 use serde_json::Value;
+use std::sync::Arc;
 
 /// Where the weights come from, as command-line options (examples/llama and examples/serve
 /// flatten it into their arguments).
@@ -38,6 +40,10 @@ pub struct SourceArgs {
     /// Shape for --random-weights.
     #[arg(long, value_enum)]
     pub preset: Option<Preset>,
+    /// With --random-weights: keep only the first N layers of the preset (a model that does
+    /// not fit the GPUs at hand, at its real layer shapes).
+    #[arg(long, value_name = "N", requires = "random_weights")]
+    pub layers: Option<usize>,
     /// A tokenizer.json to use instead of the source's.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -48,6 +54,8 @@ pub struct SourceArgs {
 pub enum Preset {
     #[value(name = "llama3-8b")]
     Llama3_8b,
+    #[value(name = "llama3-70b")]
+    Llama3_70b,
     #[value(name = "llama3-1b")]
     Llama3_1b,
     #[value(name = "smollm2-135m")]
@@ -68,11 +76,13 @@ impl SourceArgs {
         } else if self.random_weights {
             let preset = match self.preset {
                 Some(Preset::Llama3_8b) => "llama3-8b",
+                Some(Preset::Llama3_70b) => "llama3-70b",
                 Some(Preset::Llama3_1b) => "llama3-1b",
                 Some(Preset::Smollm2_135m) | None => "smollm2-135m",
             };
             Source::Random {
                 preset: preset.to_string(),
+                layers: self.layers,
             }
         } else {
             bail!("choose a model: --model REPO_ID, --model-dir DIR, --gguf FILE or --random-weights --preset NAME")
@@ -98,7 +108,8 @@ pub struct RunArgs {
     /// Run on the CPU even when a GPU is available.
     #[arg(long)]
     pub cpu: bool,
-    /// Seed for sampling, synthetic prompts and loads, and (on CUDA) random weights.
+    /// Seed for sampling, synthetic prompts and loads (random weights use a fixed seed per
+    /// tensor name, so they are the same at every --tp).
     #[arg(long, default_value_t = 299_792_458)]
     pub seed: u64,
     /// Sampling temperature; 0 (the default) is greedy.
@@ -132,14 +143,88 @@ impl RunArgs {
             None if device.is_cpu() => DType::F32,
             None => DType::BF16,
         };
+        self.prepare(&device)?;
+        Ok((device, dtype))
+    }
+
+    /// Seeds a GPU's generator and sets its allocation mode (every device of a run).
+    pub fn prepare(&self, device: &Device) -> Result<()> {
         if !device.is_cpu() {
             device.set_seed(self.seed)?;
         }
         #[cfg(feature = "cuda")]
-        if let (Device::Cuda(cuda), false) = (&device, self.cuda_defaults) {
+        if let (Device::Cuda(cuda), false) = (device, self.cuda_defaults) {
             one_stream_allocator(cuda)?;
         }
-        Ok((device, dtype))
+        Ok(())
+    }
+}
+
+/// Tensor parallelism, as command-line options (examples/llama and examples/serve).
+#[derive(clap::Args, Debug, Clone)]
+pub struct TpArgs {
+    /// Shard the model over N GPUs (0..N) of this host: whole heads and MLP columns per GPU, one
+    /// thread per GPU, NCCL all-reduces (loaded at run time). On the CPU: N emulated ranks.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub tp: usize,
+    /// The NCCL library to load for --tp > 1 (default: `libnccl.so.2` through the loader's
+    /// search, then pip's nvidia-nccl wheels next to `python3`).
+    #[arg(long, value_name = "PATH")]
+    pub nccl_lib: Option<PathBuf>,
+    /// Time every all-reduce with CUDA events and report their share of decoding (adds host
+    /// work to each call: leave it off for tokens/sec).
+    #[arg(long)]
+    pub time_allreduce: bool,
+}
+
+impl TpArgs {
+    /// The group's devices (rank 0 on `first`, prepared like it) and all-reduce handles, and a
+    /// line saying what was set up (`None` for one rank).
+    pub fn ranks(&self, run: &RunArgs, first: &Device) -> Result<(Ranks, Option<String>)> {
+        let n = self.tp;
+        if n == 0 {
+            bail!("--tp must be at least 1")
+        }
+        if n == 1 {
+            return Ok((Ranks::one(first), None));
+        }
+        let devices = crate::tp::rank_devices(first, n)?;
+        for d in &devices[1..] {
+            run.prepare(d)?;
+        }
+        if first.is_cpu() {
+            let line = format!("tp {n}: {n} emulated ranks on the CPU (in-process all-reduce)");
+            let comms = crate::tp::LocalSum::group(n);
+            return Ok((Ranks { devices, comms }, Some(line)));
+        }
+        #[cfg(feature = "cuda")]
+        {
+            if std::env::var_os("FLASHCORE_TP_GPU").is_none() {
+                bail!(
+                    "--tp {n} on GPUs is off by default: on a two-H100 machine the single-process \
+                     NCCL path hung (each rank's first all-reduces were enqueued, then both host \
+                     threads blocked with the GPUs idle; examples/llama/README.md#tensor-parallelism). \
+                     Set FLASHCORE_TP_GPU=1 to run it anyway; --cpu --tp {n} emulates the ranks"
+                )
+            }
+            let (handles, info) =
+                crate::nccl::group(n, self.nccl_lib.as_deref(), self.time_allreduce)?;
+            let v = info.version;
+            let line = format!(
+                "tp {n}: GPUs 0..{n}, NCCL {}.{}.{} from {}",
+                v / 10000,
+                (v / 100) % 100,
+                v % 100,
+                info.path
+            );
+            let comms = handles
+                .into_iter()
+                .map(|h| h as Arc<dyn AllReduce>)
+                .collect();
+            Ok((Ranks { devices, comms }, Some(line)))
+        }
+        #[cfg(not(feature = "cuda"))]
+        bail!("--tp {n} on a GPU needs the `cuda` feature")
     }
 }
 
@@ -177,10 +262,35 @@ fn one_stream_allocator(cuda: &candle_core::CudaDevice) -> Result<()> {
 
 #[derive(Clone, Debug)]
 pub enum Source {
-    Hub { repo: String, revision: String },
+    Hub {
+        repo: String,
+        revision: String,
+    },
     Dir(PathBuf),
     Gguf(PathBuf),
-    Random { preset: String },
+    Random {
+        preset: String,
+        layers: Option<usize>,
+    },
+}
+
+/// The devices of a tensor-parallel group and each rank's all-reduce (none for one rank).
+pub struct Ranks {
+    pub devices: Vec<Device>,
+    pub comms: Vec<Arc<dyn AllReduce>>,
+}
+
+impl Ranks {
+    pub fn one(device: &Device) -> Ranks {
+        Ranks {
+            devices: vec![device.clone()],
+            comms: vec![],
+        }
+    }
+
+    fn first(&self) -> &Device {
+        &self.devices[0]
+    }
 }
 
 pub struct Loaded {
@@ -336,10 +446,22 @@ pub fn hub_files_in(
 }
 
 /// Loads a Hugging Face-layout checkpoint (config.json + safetensors + tokenizer files).
+#[allow(dead_code)] // the single-GPU entry the tests use; the examples call the `_tp` forms
 pub fn load_files(
     files: &ModelFiles,
     dtype: DType,
     device: &Device,
+    attn: AttnBackend,
+) -> Result<(Model, Option<TextTokenizer>)> {
+    load_files_tp(files, dtype, &Ranks::one(device), attn)
+}
+
+/// [`load_files`] over the ranks of a tensor-parallel group (each maps the files and keeps its
+/// part of every weight).
+pub fn load_files_tp(
+    files: &ModelFiles,
+    dtype: DType,
+    ranks: &Ranks,
     attn: AttnBackend,
 ) -> Result<(Model, Option<TextTokenizer>)> {
     let cfg = Config::from_hf_json(&read_json(&files.config)?)?;
@@ -361,12 +483,25 @@ pub fn load_files(
             size as f64 / (1 << 20) as f64
         );
     }
-    // SAFETY: the files are memory-mapped read-only; they must not change while loading.
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device)? };
-    let model = Model::load(vb, &cfg, cfg.max_position_embeddings, attn)?;
+    let vbs = ranks
+        .devices
+        .iter()
+        .map(|device| {
+            // SAFETY: the files are memory-mapped read-only; they must not change while loading.
+            Ok(unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device)? })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let model = Model::load_ranks(
+        &vbs,
+        ranks.comms.clone(),
+        &cfg,
+        cfg.max_position_embeddings,
+        attn,
+    )?;
     Ok((model, tokenizer))
 }
 
+#[allow(dead_code)] // the single-GPU entry the tests use; the examples call the `_tp` forms
 pub fn load(
     source: &Source,
     tokenizer_override: Option<&Path>,
@@ -374,19 +509,30 @@ pub fn load(
     device: &Device,
     attn: AttnBackend,
 ) -> Result<Loaded> {
+    load_tp(source, tokenizer_override, dtype, &Ranks::one(device), attn)
+}
+
+/// [`load`] over the ranks of a tensor-parallel group.
+pub fn load_tp(
+    source: &Source,
+    tokenizer_override: Option<&Path>,
+    dtype: DType,
+    ranks: &Ranks,
+    attn: AttnBackend,
+) -> Result<Loaded> {
     let (model, tokenizer, description) = match source {
         Source::Hub { repo, revision } => {
             let files = hub_files(repo, revision)?;
-            let (m, t) = load_files(&files, dtype, device, attn)?;
+            let (m, t) = load_files_tp(&files, dtype, ranks, attn)?;
             (m, t, format!("{repo}@{revision}"))
         }
         Source::Dir(dir) => {
             let files = dir_files(dir)?;
-            let (m, t) = load_files(&files, dtype, device, attn)?;
+            let (m, t) = load_files_tp(&files, dtype, ranks, attn)?;
             (m, t, dir.display().to_string())
         }
         Source::Gguf(path) => {
-            let (m, t) = load_gguf(path, dtype, device, attn)?;
+            let (m, t) = load_gguf(path, dtype, ranks, attn)?;
             let t = match (t, tokenizer_override) {
                 (Ok(t), _) => Some(t),
                 // An unsupported embedded tokenizer is fine when --tokenizer replaces it.
@@ -398,13 +544,21 @@ pub fn load(
             };
             (m, t, path.display().to_string())
         }
-        Source::Random { preset } => {
-            let cfg = Config::preset(preset)?;
-            (
-                random_model(&cfg, dtype, device, attn)?,
-                None,
-                format!("random weights, preset {preset}"),
-            )
+        Source::Random { preset, layers } => {
+            let mut cfg = Config::preset(preset)?;
+            let mut description = format!("random weights, preset {preset}");
+            if let Some(n) = *layers {
+                if n == 0 || n > cfg.num_hidden_layers {
+                    bail!(
+                        "--layers {n}: preset {preset} has {} layers (1..={} allowed)",
+                        cfg.num_hidden_layers,
+                        cfg.num_hidden_layers
+                    )
+                }
+                cfg.num_hidden_layers = n;
+                description += &format!(" (first {n} layers)");
+            }
+            (random_model(&cfg, dtype, ranks, attn)?, None, description)
         }
     };
     let tokenizer = match tokenizer_override {
@@ -429,56 +583,96 @@ pub fn load(
     })
 }
 
-/// Random weights (normal, std 0.02; norms at 1) created directly on `device`.
-pub fn random_model(
-    cfg: &Config,
-    dtype: DType,
-    device: &Device,
-    attn: AttnBackend,
-) -> Result<Model> {
+/// Random weights (normal, std 0.02; norms at 1) created on each rank's device as the model
+/// asks for them ([`RandomWeights`]), so no full copy of the model exists anywhere.
+pub fn random_model(cfg: &Config, dtype: DType, ranks: &Ranks, attn: AttnBackend) -> Result<Model> {
     cfg.validate()?;
-    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-    let (q, kv) = (
-        cfg.num_attention_heads * cfg.head_dim,
-        cfg.num_key_value_heads * cfg.head_dim,
-    );
-    let randn = |shape: (usize, usize)| -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, 0.02, shape, device)?.to_dtype(dtype)?)
-    };
-    let ones = || -> Result<Tensor> { Ok(Tensor::ones(h, dtype, device)?) };
-    let mut ts: HashMap<String, Tensor> = HashMap::new();
     eprintln!(
-        "creating {:.2}B random parameters ({:?}) on {:?}",
+        "creating {:.2}B random parameters ({:?}) on {} device(s)",
         cfg.num_params() as f64 * 1e-9,
         dtype,
-        device.location()
+        ranks.devices.len()
     );
-    ts.insert("model.embed_tokens.weight".into(), randn((v, h))?);
-    if !cfg.tie_word_embeddings {
-        ts.insert("lm_head.weight".into(), randn((v, h))?);
-    }
-    ts.insert("model.norm.weight".into(), ones()?);
-    for l in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        for (name, shape) in [
-            ("self_attn.q_proj", (q, h)),
-            ("self_attn.k_proj", (kv, h)),
-            ("self_attn.v_proj", (kv, h)),
-            ("self_attn.o_proj", (h, q)),
-            ("mlp.gate_proj", (i, h)),
-            ("mlp.up_proj", (i, h)),
-            ("mlp.down_proj", (h, i)),
-        ] {
-            ts.insert(format!("{p}.{name}.weight"), randn(shape)?);
-        }
-        ts.insert(format!("{p}.input_layernorm.weight"), ones()?);
-        ts.insert(format!("{p}.post_attention_layernorm.weight"), ones()?);
-    }
-    let vb = VarBuilder::from_tensors(ts, dtype, device);
-    Model::load(vb, cfg, cfg.max_position_embeddings, attn)
+    let vbs: Vec<VarBuilder> = ranks
+        .devices
+        .iter()
+        .map(|d| {
+            let backend: Box<dyn candle_nn::var_builder::SimpleBackend> = Box::new(RandomWeights {
+                tied: cfg.tie_word_embeddings,
+            });
+            VarBuilder::from_backend(backend, dtype, d.clone())
+        })
+        .collect();
+    Model::load_ranks(
+        &vbs,
+        ranks.comms.clone(),
+        cfg,
+        cfg.max_position_embeddings,
+        attn,
+    )
 }
 
-/// The model config stored in GGUF metadata under the architecture's prefix (`llama.*`).
+/// A weight source that makes each tensor when asked: norms (`*norm.weight`) are ones, every
+/// other weight is normal with std 0.02 from a generator seeded by the tensor's name. A tensor's
+/// values depend only on its name and shape, so every rank of a tensor-parallel group (and a
+/// single-GPU run) sees the same model. On a GPU the device's generator is reseeded per tensor;
+/// on the CPU (whose candle generator cannot be seeded) a host generator fills it.
+struct RandomWeights {
+    tied: bool,
+}
+
+/// FNV-1a of the name: the tensor's seed.
+fn name_seed(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl candle_nn::var_builder::SimpleBackend for RandomWeights {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        if name.ends_with("norm.weight") {
+            return Tensor::ones(s, dtype, dev);
+        }
+        let seed = name_seed(name);
+        let t = if dev.is_cpu() {
+            let mut rng = crate::generate::SplitMix64(seed);
+            let n = s.elem_count();
+            let mut v = Vec::with_capacity(n);
+            while v.len() < n {
+                // Box-Muller: two normals from two uniforms in (0, 1].
+                let (u1, u2) = (1.0 - rng.next_f64(), rng.next_f64());
+                let r = (-2.0 * u1.ln()).sqrt() * 0.02;
+                let a = std::f64::consts::TAU * u2;
+                v.push((r * a.cos()) as f32);
+                v.push((r * a.sin()) as f32);
+            }
+            v.truncate(n);
+            Tensor::from_vec(v, s, dev)?
+        } else {
+            dev.set_seed(seed)?;
+            Tensor::randn(0f32, 0.02, s, dev)?
+        };
+        t.to_dtype(dtype)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        Err(candle_core::Error::Msg(format!(
+            "random weights: {name} asked for without a shape"
+        )))
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        !(name.ends_with(".bias") || (name == "lm_head.weight" && self.tied))
+    }
+}
+
 fn gguf_config(content: &gguf_file::Content, arch: &str) -> Result<Config> {
     let md = &content.metadata;
     let int = |k: &str| {
@@ -571,9 +765,10 @@ fn unpermute_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
 pub fn load_gguf(
     path: &Path,
     dtype: DType,
-    device: &Device,
+    ranks: &Ranks,
     attn: AttnBackend,
 ) -> Result<(Model, Result<TextTokenizer>)> {
+    let device = ranks.first();
     let mut file =
         std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let content = gguf_file::Content::read(&mut file)
@@ -627,8 +822,19 @@ pub fn load_gguf(
     if skipped.iter().any(|s| s != "rope_freqs.weight") {
         eprintln!("gguf: ignored tensors: {skipped:?}");
     }
-    let vb = VarBuilder::from_tensors(tensors, dtype, device);
-    let model = Model::load(vb, &cfg, cfg.max_position_embeddings, attn)?;
+    // Dequantized once, on rank 0's device; each rank copies out its part.
+    let vbs: Vec<VarBuilder> = ranks
+        .devices
+        .iter()
+        .map(|d| VarBuilder::from_tensors(tensors.clone(), dtype, d))
+        .collect();
+    let model = Model::load_ranks(
+        &vbs,
+        ranks.comms.clone(),
+        &cfg,
+        cfg.max_position_embeddings,
+        attn,
+    )?;
     Ok((model, tokenizer))
 }
 

@@ -8,6 +8,9 @@
 //! # throughput at Llama 3 8B shapes, random weights, 4k-token synthetic prompt (CUDA build)
 //! cargo run --release --features cuda --example llama -- --random-weights --preset llama3-8b \
 //!     --prompt-len 4096 --max-new-tokens 128 --json
+//! # tensor parallelism over GPUs 0 and 1 (NCCL loaded at run time, see nccl.rs)
+//! cargo run --release --features cuda --example llama -- --random-weights --preset llama3-70b \
+//!     --tp 2 --prompt-len 4096 --max-new-tokens 64 --json
 //! ```
 //! Streaming text goes to stdout, progress and the report to stderr; with `--json` stdout holds
 //! exactly one JSON line.
@@ -16,17 +19,21 @@ mod generate;
 mod load;
 #[allow(dead_code)] // also examples/serve's model: its paged batches are unused here
 mod model;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod tokenizer;
+mod tp;
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use clap::{Parser, ValueEnum};
 use std::io::Write;
 
 use generate::{
-    common_prefix, generate, teacher_forced_agreement, warmup, GenStats, Generation, Sampler,
+    common_prefix, forced_logits, generate, teacher_forced_agreement, warmup, GenStats, Generation,
+    Sampler,
 };
-use load::{RunArgs, SourceArgs};
+use load::{Ranks, RunArgs, SourceArgs, TpArgs};
 use model::{AttnBackend, KvCache, Model};
 use serde_json::json;
 use tokenizer::TextTokenizer;
@@ -80,6 +87,12 @@ struct Args {
 
     #[command(flatten)]
     run: RunArgs,
+    #[command(flatten)]
+    tp: TpArgs,
+    /// With --tp N > 1: generate N tokens greedily on one GPU, then feed the same tokens to the
+    /// N-GPU model, and report where their argmax agrees and the largest logit difference.
+    #[arg(long, value_name = "TOKENS", requires = "tp")]
+    compare_tp: Option<usize>,
     /// Print one machine-readable JSON line on stdout (and no streamed text).
     #[arg(long)]
     json: bool,
@@ -169,6 +182,13 @@ fn stats_json(backend: AttnBackend, g: &Generation, text: Option<&str>) -> Strin
         s.hit_eos,
         g.tokens,
     );
+    if !s.decode_allreduce.is_zero() {
+        out += &format!(
+            ",\"decode_allreduce_ms\":{:.3},\"decode_ms\":{:.3}",
+            s.decode_allreduce.as_secs_f64() * 1e3,
+            s.decode_time.as_secs_f64() * 1e3
+        );
+    }
     if let Some(t) = text {
         out += &format!(",\"text\":{}", json!(t));
     }
@@ -207,6 +227,13 @@ fn report(backend: AttnBackend, s: &GenStats) {
             "[{}] decode             n/a (fewer than 2 tokens)",
             backend.name()
         ),
+    }
+    if !s.decode_allreduce.is_zero() {
+        eprintln!(
+            "[{}] all-reduce share   {:.1}% of decoding (rank 0, CUDA events)",
+            backend.name(),
+            100.0 * s.decode_allreduce.as_secs_f64() / s.decode_time.as_secs_f64()
+        );
     }
     eprintln!(
         "[{}] device memory      {} (max sampled after prefill and at the end)",
@@ -280,28 +307,22 @@ impl Run<'_> {
     }
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    let (device, dtype) = args.run.device_and_dtype()?;
-    let source = args.source.source()?;
-
+/// Loads the model over `ranks` and applies `--max-positions`.
+fn load_model(args: &Args, dtype: DType, ranks: &Ranks) -> Result<load::Loaded> {
     let t0 = std::time::Instant::now();
-    let attn: AttnBackend = args.attn.into();
-    let loaded = load::load(
-        &source,
+    let mut loaded = load::load_tp(
+        &args.source.source()?,
         args.source.tokenizer.as_deref(),
         dtype,
-        &device,
-        attn,
+        ranks,
+        args.attn.into(),
     )?;
-    let mut model = loaded.model;
     if let Some(n) = args.max_positions {
-        model.set_max_positions(n)?;
+        loaded.model.set_max_positions(n)?;
     }
-    let tok = loaded.tokenizer.as_ref();
-    let cfg = model.config().clone();
+    let cfg = loaded.model.config();
     eprintln!(
-        "loaded {} in {:.1}s: {} layers, hidden {}, heads {}/{} (q/kv), head_dim {}, vocab {}, {:.0}M params; {} on {}",
+        "loaded {} in {:.1}s: {} layers, hidden {}, heads {}/{} (q/kv), head_dim {}, vocab {}, {:.0}M params; {} on {}{}",
         loaded.description,
         t0.elapsed().as_secs_f64(),
         cfg.num_hidden_layers,
@@ -312,17 +333,94 @@ fn main() -> Result<()> {
         cfg.vocab_size,
         cfg.num_params() as f64 * 1e-6,
         dtype_name(dtype),
-        device_name(&device),
+        device_name(&ranks.devices[0]),
+        match ranks.devices.len() {
+            1 => String::new(),
+            n => format!(" and {} more (tensor parallel)", n - 1),
+        },
     );
+    Ok(loaded)
+}
 
+/// The run's prompt tokens: `--prompt-len` synthetic ones or the encoded `--prompt`.
+fn build_prompt(args: &Args, tok: Option<&TextTokenizer>, vocab: usize) -> Result<Vec<u32>> {
     let prompt = match (args.prompt_len, tok) {
-        (Some(n), t) => synthetic_prompt(n, t, cfg.vocab_size, args.run.seed)?,
+        (Some(n), t) => synthetic_prompt(n, t, vocab, args.run.seed)?,
         (None, Some(t)) => t.encode_prompt(&args.prompt, !args.no_chat, args.system.as_deref())?,
         (None, None) => {
             bail!("no tokenizer (random weights): use --prompt-len N for a synthetic prompt")
         }
     };
     anyhow::ensure!(!prompt.is_empty(), "the prompt is empty");
+    Ok(prompt)
+}
+
+/// `--compare-tp N`: one-GPU greedy tokens and logits against the `--tp` model fed the same
+/// tokens (teacher-forced, so every position is compared even after a disagreement).
+fn compare_tp(args: &Args, n: usize, device: &Device, dtype: DType, ranks: Ranks) -> Result<()> {
+    anyhow::ensure!(n > 0, "--compare-tp needs N > 0");
+    let positions = |model: &Model, len: usize| -> Result<usize> {
+        let max = len + n;
+        if max > model.config().max_position_embeddings {
+            bail!("prompt + {n} tokens exceed the model's positions (--max-positions N)")
+        }
+        Ok(max)
+    };
+    let one = load_model(args, dtype, &Ranks::one(device))?;
+    let prompt = build_prompt(args, one.tokenizer.as_ref(), one.model.config().vocab_size)?;
+    let mut cache = KvCache::new(&one.model, 1, positions(&one.model, prompt.len())?, dtype)?;
+    let mut greedy = Sampler::greedy();
+    let reference = generate(
+        &one.model,
+        &mut cache,
+        &prompt,
+        n,
+        &[],
+        &mut greedy,
+        &mut |_| Ok(()),
+    )?;
+    let ref_logits = forced_logits(&one.model, &mut cache, &prompt, &reference.tokens)?;
+    drop((cache, one));
+    let tp = load_model(args, dtype, &ranks)?;
+    let mut cache = KvCache::new(&tp.model, 1, positions(&tp.model, prompt.len())?, dtype)?;
+    let tp_logits = forced_logits(&tp.model, &mut cache, &prompt, &reference.tokens)?;
+    let (a, b) = (
+        model::argmax_rows(&ref_logits)?,
+        model::argmax_rows(&tp_logits)?,
+    );
+    let agree = a.iter().zip(&b).filter(|(x, y)| x == y).count();
+    let max_abs =
+        |t: &Tensor| -> Result<f32> { Ok(t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?) };
+    let diff = max_abs(&(&ref_logits - &tp_logits)?)?;
+    let scale = max_abs(&ref_logits)?;
+    let tp_n = tp.model.tp();
+    println!(
+        "{{\"mode\":\"compare_tp\",\"model\":{},\"dtype\":\"{}\",\"tp\":{tp_n},\"prompt_tokens\":{},\"positions\":{n},\"argmax_agree\":{agree},\"greedy_tokens_equal\":{},\"max_abs_logit_diff\":{diff},\"max_abs_logit\":{scale}}}",
+        json!(&tp.description),
+        dtype_name(dtype),
+        prompt.len(),
+        agree == n,
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let (device, dtype) = args.run.device_and_dtype()?;
+    let (ranks, tp_line) = args.tp.ranks(&args.run, &device)?;
+    if let Some(line) = &tp_line {
+        eprintln!("{line}");
+    }
+    if let Some(n) = args.compare_tp {
+        anyhow::ensure!(args.tp.tp > 1, "--compare-tp needs --tp N > 1");
+        return compare_tp(&args, n, &device, dtype, ranks);
+    }
+    let attn: AttnBackend = args.attn.into();
+    let loaded = load_model(&args, dtype, &ranks)?;
+    let mut model = loaded.model;
+    let tok = loaded.tokenizer.as_ref();
+    let cfg = model.config().clone();
+    let prompt = build_prompt(&args, tok, cfg.vocab_size)?;
     let eos: Vec<u32> = if args.ignore_eos || tok.is_none() {
         vec![]
     } else {
@@ -337,7 +435,7 @@ fn main() -> Result<()> {
             cfg.max_position_embeddings
         )
     }
-    let cache = KvCache::new(&cfg, 1, max_seq, dtype, &device)?;
+    let cache = KvCache::new(&model, 1, max_seq, dtype)?;
     eprintln!(
         "prompt: {} tokens; kv cache: {} positions",
         prompt.len(),

@@ -14,7 +14,9 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
 
 use crate::load::json_usize;
+use crate::tp::{on_ranks, AllReduce, Shard};
 use serde_json::Value;
+use std::sync::Arc;
 
 /// Which attention implementation the decoder calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -182,6 +184,24 @@ impl Config {
                 bos_token_id: Some(128000),
                 eos_token_ids: vec![128001, 128008, 128009],
             },
+            // Meta-Llama-3.1-70B
+            "llama3-70b" => Config {
+                hidden_size: 8192,
+                intermediate_size: 28672,
+                vocab_size: 128256,
+                num_hidden_layers: 80,
+                num_attention_heads: 64,
+                num_key_value_heads: 8,
+                head_dim: 128,
+                rms_norm_eps: 1e-5,
+                rope_theta: 500_000.0,
+                rope_scaling: llama3_scaling(8.0),
+                rope_freq_factors: None,
+                max_position_embeddings: 131072,
+                tie_word_embeddings: false,
+                bos_token_id: Some(128000),
+                eos_token_ids: vec![128001, 128008, 128009],
+            },
             // Llama-3.2-1B
             "llama3-1b" => Config {
                 hidden_size: 2048,
@@ -219,7 +239,9 @@ impl Config {
                 eos_token_ids: vec![2],
             },
             other => {
-                bail!("unknown preset `{other}` (expected llama3-8b, llama3-1b or smollm2-135m)")
+                bail!(
+                "unknown preset `{other}` (expected llama3-8b, llama3-70b, llama3-1b or smollm2-135m)"
+            )
             }
         };
         Ok(cfg)
@@ -290,48 +312,32 @@ impl Config {
     }
 }
 
-/// Zeroed `(k, v)` buffers `(n, rows, heads_kv, head_dim)` for every layer: a dense cache of `n`
-/// sequences, or a paged pool of `n` pages of `rows` rows.
-pub fn kv_buffers(
-    cfg: &Config,
-    n: usize,
-    rows: usize,
-    dtype: DType,
-    device: &Device,
-) -> Result<Vec<(Tensor, Tensor)>> {
-    let shape = (n, rows, cfg.num_key_value_heads, cfg.head_dim);
-    (0..cfg.num_hidden_layers)
-        .map(|_| {
-            Ok((
-                Tensor::zeros(shape, dtype, device)?,
-                Tensor::zeros(shape, dtype, device)?,
-            ))
-        })
-        .collect()
-}
+/// Per-rank, per-layer `(k, v)` buffers: `[rank][layer]`, each `(n, rows, heads_kv / tp,
+/// head_dim)` on the rank's device (a rank keeps the K/V heads of its query heads).
+pub type Pools = Vec<Layers>;
 
-/// Keys and values of every layer, preallocated as `(batch, max_seq, heads_kv, head_dim)` and
-/// written in place with `slice_set`; the first `len` positions are valid.
+/// One rank's `(k, v)` buffers, one pair per layer.
+pub type Layers = Vec<(Tensor, Tensor)>;
+
+/// Keys and values of every layer, preallocated as `(batch, max_seq, heads_kv, head_dim)` (per
+/// rank: its share of the heads) and written in place with `slice_set`; the first `len`
+/// positions are valid.
 pub struct KvCache {
-    layers: Vec<(Tensor, Tensor)>,
+    ranks: Pools,
     len: usize,
 }
 
 impl KvCache {
-    pub fn new(
-        cfg: &Config,
-        batch: usize,
-        max_seq: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<KvCache> {
-        let layers = kv_buffers(cfg, batch, max_seq, dtype, device)?;
-        Ok(KvCache { layers, len: 0 })
+    pub fn new(model: &Model, batch: usize, max_seq: usize, dtype: DType) -> Result<KvCache> {
+        let ranks = model.kv_buffers(batch, max_seq, dtype)?;
+        Ok(KvCache { ranks, len: 0 })
     }
 
+    /// Rank 0's device (where inputs go and logits come back).
     pub fn device(&self) -> Device {
-        self.layers
+        self.ranks
             .first()
+            .and_then(|l| l.first())
             .map(|(k, _)| k.device().clone())
             .unwrap_or(Device::Cpu)
     }
@@ -364,6 +370,15 @@ pub struct SeqStep<'a> {
 /// through the table, a gather of the group's pages first). Decodes riding in the prefill call
 /// would read their keys once per query head: a mixed step makes two calls per layer, not one.
 pub struct PagedBatch {
+    /// The step's small tensors, one copy on each rank's device.
+    ranks: Vec<BatchTensors>,
+    cu: Vec<usize>,
+    total: usize,
+    max_position: usize,
+}
+
+/// A [`PagedBatch`]'s tensors on one device.
+struct BatchTensors {
     tokens: Tensor,
     positions: Tensor,
     table: Tensor,
@@ -371,9 +386,6 @@ pub struct PagedBatch {
     start: Tensor,
     groups: Vec<AttnGroup>,
     last_rows: Tensor,
-    cu: Vec<usize>,
-    total: usize,
-    max_position: usize,
 }
 
 /// Consecutive sequences of a [`PagedBatch`] that one attention call serves.
@@ -403,7 +415,8 @@ fn u32s(v: impl IntoIterator<Item = usize>, device: &Device) -> Result<Tensor> {
 }
 
 impl PagedBatch {
-    pub fn new(seqs: &[SeqStep], page_size: usize, device: &Device) -> Result<PagedBatch> {
+    /// The step of `seqs`, its tensors on each of `devices` (a model's [`Model::devices`]).
+    pub fn new(seqs: &[SeqStep], page_size: usize, devices: &[Device]) -> Result<PagedBatch> {
         if seqs.is_empty() {
             bail!("PagedBatch: no sequences")
         }
@@ -425,6 +438,46 @@ impl PagedBatch {
             cu.push(tokens.len());
         }
         let max_position = positions.iter().copied().max().unwrap_or(0);
+        let ranks = devices
+            .iter()
+            .map(|device| BatchTensors::new(seqs, &tokens, &positions, &cu, device))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PagedBatch {
+            ranks,
+            total: *cu.last().unwrap_or(&0),
+            cu,
+            max_position,
+        })
+    }
+
+    /// Takes the logits of sequence `i` at its new token `rows[i]` instead of its last one (the
+    /// last real token of a right-padded prompt).
+    pub fn logits_at(mut self, rows: &[usize]) -> Result<PagedBatch> {
+        let n = self.cu.len() - 1;
+        if rows.len() != n || (0..n).any(|i| self.cu[i] + rows[i] >= self.cu[i + 1]) {
+            bail!("PagedBatch::logits_at: rows {rows:?} do not index the {n} sequences' new tokens")
+        }
+        for r in &mut self.ranks {
+            let device = r.last_rows.device().clone();
+            r.last_rows = u32s((0..n).map(|i| self.cu[i] + rows[i]), &device)?;
+        }
+        Ok(self)
+    }
+
+    /// Attention calls per layer (1, or 2 when decodes and prefill chunks share the step).
+    pub fn groups(&self) -> usize {
+        self.ranks.first().map_or(0, |r| r.groups.len())
+    }
+}
+
+impl BatchTensors {
+    fn new(
+        seqs: &[SeqStep],
+        tokens: &[u32],
+        positions: &[usize],
+        cu: &[usize],
+        device: &Device,
+    ) -> Result<BatchTensors> {
         // Groups: runs of consecutive sequences of the same kind (one new token or several).
         let mut groups = Vec::new();
         let mut a = 0;
@@ -451,35 +504,15 @@ impl PagedBatch {
             });
             a = b;
         }
-        Ok(PagedBatch {
-            tokens: Tensor::new(tokens.as_slice(), device)?,
-            positions: u32s(positions, device)?,
+        Ok(BatchTensors {
+            tokens: Tensor::new(tokens, device)?,
+            positions: u32s(positions.iter().copied(), device)?,
             table: page_table(seqs, device)?,
             cu_new: u32s(cu.iter().copied(), device)?,
             start: u32s(seqs.iter().map(|s| s.cached), device)?,
             groups,
             last_rows: u32s(cu[1..].iter().map(|&c| c - 1), device)?,
-            total: *cu.last().unwrap_or(&0),
-            cu,
-            max_position,
         })
-    }
-
-    /// Takes the logits of sequence `i` at its new token `rows[i]` instead of its last one (the
-    /// last real token of a right-padded prompt).
-    pub fn logits_at(mut self, rows: &[usize]) -> Result<PagedBatch> {
-        let n = self.cu.len() - 1;
-        if rows.len() != n || (0..n).any(|i| self.cu[i] + rows[i] >= self.cu[i + 1]) {
-            bail!("PagedBatch::logits_at: rows {rows:?} do not index the {n} sequences' new tokens")
-        }
-        let device = self.last_rows.device().clone();
-        self.last_rows = u32s((0..n).map(|i| self.cu[i] + rows[i]), &device)?;
-        Ok(self)
-    }
-
-    /// Attention calls per layer (1, or 2 when decodes and prefill chunks share the step).
-    pub fn groups(&self) -> usize {
-        self.groups.len()
     }
 }
 
@@ -493,28 +526,75 @@ struct Attention {
     head_dim: usize,
 }
 
-/// Loads a projection; a bias is used when the checkpoint has one (Qwen2 q/k/v).
-fn linear(vb: &VarBuilder, in_dim: usize, out_dim: usize, name: &str) -> Result<Linear> {
+/// How a tensor-parallel rank takes its part of a projection `(out, in)`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Split {
+    /// All of it (one rank).
+    Whole,
+    /// A block of output rows (heads, MLP columns): column parallel; the bias splits the same way.
+    Out,
+    /// A block of input columns: row parallel; the partial products are summed across ranks,
+    /// so only rank 0 adds the bias.
+    In,
+}
+
+/// `t` narrowed to this rank's block along `dim`, copied so that the full tensor is freed.
+fn take_part(t: Tensor, dim: usize, shard: Shard) -> Result<Tensor> {
+    if shard.size == 1 {
+        return Ok(t);
+    }
+    let (start, len) = shard.part(t.dim(dim)?);
+    Ok(t.narrow(dim, start, len)?.force_contiguous()?)
+}
+
+/// Loads a projection (this rank's part of it); a bias is used when the checkpoint has one
+/// (Qwen2 q/k/v).
+fn linear(
+    vb: &VarBuilder,
+    in_dim: usize,
+    out_dim: usize,
+    name: &str,
+    split: Split,
+    shard: Shard,
+) -> Result<Linear> {
     let vb = vb.pp(name);
     let w = vb.get((out_dim, in_dim), "weight")?;
-    let b = if vb.contains_tensor("bias") {
-        Some(vb.get(out_dim, "bias")?)
-    } else {
-        None
+    let has_bias = vb.contains_tensor("bias");
+    let split = if shard.size == 1 { Split::Whole } else { split };
+    let (w, b) = match split {
+        Split::Whole => (w, has_bias.then(|| vb.get(out_dim, "bias")).transpose()?),
+        Split::Out => {
+            let b = match has_bias {
+                true => Some(take_part(vb.get(out_dim, "bias")?, 0, shard)?),
+                false => None,
+            };
+            (take_part(w, 0, shard)?, b)
+        }
+        Split::In => {
+            let b = match has_bias && shard.rank == 0 {
+                true => Some(vb.get(out_dim, "bias")?),
+                false => None,
+            };
+            (take_part(w, 1, shard)?, b)
+        }
     };
     Ok(Linear::new(w, b))
 }
 
 impl Attention {
-    fn load(vb: &VarBuilder, cfg: &Config) -> Result<Attention> {
+    /// This rank's heads: query heads `[r·hq/n, (r+1)·hq/n)` and the K/V heads they read
+    /// (grouped-query attention maps query head `h` to K/V head `h / (hq / hkv)`, so a
+    /// contiguous block of query heads reads a contiguous block of K/V heads).
+    fn load(vb: &VarBuilder, cfg: &Config, shard: Shard) -> Result<Attention> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (hq, hkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         Ok(Attention {
-            q_proj: linear(vb, h, cfg.num_attention_heads * d, "q_proj")?,
-            k_proj: linear(vb, h, cfg.num_key_value_heads * d, "k_proj")?,
-            v_proj: linear(vb, h, cfg.num_key_value_heads * d, "v_proj")?,
-            o_proj: linear(vb, cfg.num_attention_heads * d, h, "o_proj")?,
-            num_heads: cfg.num_attention_heads,
-            num_kv_heads: cfg.num_key_value_heads,
+            q_proj: linear(vb, h, hq * d, "q_proj", Split::Out, shard)?,
+            k_proj: linear(vb, h, hkv * d, "k_proj", Split::Out, shard)?,
+            v_proj: linear(vb, h, hkv * d, "v_proj", Split::Out, shard)?,
+            o_proj: linear(vb, hq * d, h, "o_proj", Split::In, shard)?,
+            num_heads: hq / shard.size,
+            num_kv_heads: hkv / shard.size,
             head_dim: d,
         })
     }
@@ -563,11 +643,11 @@ impl Attention {
         &self,
         x: &Tensor,
         cos_sin: &(Tensor, Tensor),
-        batch: &PagedBatch,
+        batch: &BatchTensors,
+        total: usize,
         pool: &(Tensor, Tensor),
     ) -> Result<Tensor> {
         let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let total = batch.total;
         let q = self.q_proj.forward(x)?.reshape((1, total, hq, d))?;
         let k = self.k_proj.forward(x)?.reshape((1, total, hkv, d))?;
         let v = self.v_proj.forward(x)?.reshape((total, hkv, d))?;
@@ -815,39 +895,63 @@ struct Block {
 }
 
 impl Block {
-    /// Pre-norm residual block; `attn` maps the normed input to the attention output.
+    /// Pre-norm residual block; `attn` maps the normed input to the attention output. Under
+    /// tensor parallelism the attention and MLP outputs are this rank's partial sums, completed
+    /// by `comm` before each residual add.
     fn forward(
         &self,
         x: Tensor,
         eps: f32,
+        comm: Option<&dyn AllReduce>,
         attn: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
+        let reduce = |t: Tensor| -> Result<Tensor> {
+            match comm {
+                Some(c) => c.sum(&t),
+                None => Ok(t),
+            }
+        };
         let h = candle_nn::ops::rms_norm(&x, &self.input_norm, eps)?;
-        let x = (x + attn(&h)?)?;
+        let x = (x + reduce(attn(&h)?)?)?;
         let h = candle_nn::ops::rms_norm(&x, &self.post_attn_norm, eps)?;
-        Ok((&x + self.mlp.forward(&h)?)?)
+        Ok((&x + reduce(self.mlp.forward(&h)?)?)?)
     }
 }
 
-pub struct Model {
+/// One tensor-parallel rank's part of the model, on its device.
+struct Rank {
     embed: Embedding,
     blocks: Vec<Block>,
     norm: Tensor,
-    lm_head: Linear,
+    /// Rank 0 only: the rank that samples.
+    lm_head: Option<Linear>,
     rope: Rope,
+    comm: Option<Arc<dyn AllReduce>>,
+    device: Device,
+}
+
+/// The decoder: one [`Rank`] per GPU of a tensor-parallel group (one for TP=1). Every method
+/// runs all ranks (on a thread each when there are several) and returns rank 0's logits.
+pub struct Model {
+    ranks: Vec<Rank>,
     cfg: Config,
     eps: f32,
     /// The attention implementation used by the next forward pass; switchable between runs.
     pub attn: AttnBackend,
 }
 
-impl Model {
-    /// Builds the model from Hugging Face tensor names (`model.layers.N.self_attn.q_proj.weight`,
-    /// ...). `max_pos` sizes the rotary table (at least the KV cache capacity).
-    pub fn load(vb: VarBuilder, cfg: &Config, max_pos: usize, attn: AttnBackend) -> Result<Model> {
-        cfg.validate()?;
+impl Rank {
+    fn load(
+        vb: &VarBuilder,
+        cfg: &Config,
+        max_pos: usize,
+        shard: Shard,
+        comm: Option<Arc<dyn AllReduce>>,
+    ) -> Result<Rank> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         let embed_w = vb.get((cfg.vocab_size, h), "model.embed_tokens.weight")?;
+        // Always read (also where unused), so that every rank asks a random-weight source for
+        // the same tensors in the same order.
         let lm_head_w = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
             embed_w.clone()
         } else {
@@ -860,25 +964,155 @@ impl Model {
             let vb_mlp = vb_l.pp("mlp");
             blocks.push(Block {
                 input_norm: vb_l.get(h, "input_layernorm.weight")?,
-                attn: Attention::load(&vb_l.pp("self_attn"), cfg)?,
+                attn: Attention::load(&vb_l.pp("self_attn"), cfg, shard)?,
                 post_attn_norm: vb_l.get(h, "post_attention_layernorm.weight")?,
                 mlp: Mlp {
-                    gate_proj: linear(&vb_mlp, h, i, "gate_proj")?,
-                    up_proj: linear(&vb_mlp, h, i, "up_proj")?,
-                    down_proj: linear(&vb_mlp, i, h, "down_proj")?,
+                    gate_proj: linear(&vb_mlp, h, i, "gate_proj", Split::Out, shard)?,
+                    up_proj: linear(&vb_mlp, h, i, "up_proj", Split::Out, shard)?,
+                    down_proj: linear(&vb_mlp, i, h, "down_proj", Split::In, shard)?,
                 },
             });
             if n >= 8 && ((l + 1) % n.div_ceil(4) == 0 || l + 1 == n) {
-                eprintln!("layers {}/{n} loaded", l + 1);
+                let of = match shard.size {
+                    1 => String::new(),
+                    s => format!(" (rank {}/{s})", shard.rank),
+                };
+                eprintln!("layers {}/{n} loaded{of}", l + 1);
             }
         }
-        let rope = Rope::new(cfg, max_pos, vb.dtype(), vb.device())?;
-        Ok(Model {
+        Ok(Rank {
             embed: Embedding::new(embed_w, h),
             blocks,
             norm: vb.get(h, "model.norm.weight")?,
-            lm_head: Linear::new(lm_head_w, None),
-            rope,
+            lm_head: (shard.rank == 0).then(|| Linear::new(lm_head_w, None)),
+            rope: Rope::new(cfg, max_pos, vb.dtype(), vb.device())?,
+            comm,
+            device: vb.device().clone(),
+        })
+    }
+
+    fn comm(&self) -> Option<&dyn AllReduce> {
+        self.comm.as_deref()
+    }
+
+    /// Token ids `(b, t)` (on the host) as a tensor on this rank's device. Built from host data,
+    /// never copied from rank 0's device: a read on another GPU's stream would queue behind that
+    /// rank's all-reduce, which waits for this rank.
+    fn local(&self, tokens: &[u32], shape: (usize, usize)) -> Result<Tensor> {
+        Ok(Tensor::from_slice(tokens, shape, &self.device)?)
+    }
+
+    /// Final hidden states `(b, t, hidden)` for `tokens` `(b, t)` u32 after `pos` cached
+    /// positions, K/V written into `layers`.
+    fn hidden(
+        &self,
+        tokens: &[u32],
+        shape: (usize, usize),
+        layers: &mut [(Tensor, Tensor)],
+        pos: usize,
+        attn: AttnBackend,
+        eps: f32,
+    ) -> Result<Tensor> {
+        let tokens = self.local(tokens, shape)?;
+        let t = shape.1;
+        let mut x = self.embed.forward(&tokens)?;
+        // Built once per forward pass and shared by the layers.
+        let eager_mask = match attn {
+            AttnBackend::Eager => causal_mask(t, pos + t, &self.device)?,
+            AttnBackend::Flashcore => None,
+        };
+        for (block, layer_cache) in self.blocks.iter().zip(layers.iter_mut()) {
+            x = block.forward(x, eps, self.comm(), |h| {
+                block
+                    .attn
+                    .forward(h, &self.rope, pos, layer_cache, attn, eager_mask.as_ref())
+            })?;
+        }
+        Ok(candle_nn::ops::rms_norm(&x, &self.norm, eps)?)
+    }
+
+    /// Rank 0: f32 logits of `x`; other ranks: `None`.
+    fn logits(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        match &self.lm_head {
+            Some(head) => Ok(Some(head.forward(x)?.to_dtype(DType::F32)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn forward_paged(
+        &self,
+        batch: &PagedBatch,
+        bt: &BatchTensors,
+        pools: &[(Tensor, Tensor)],
+        eps: f32,
+    ) -> Result<Option<Tensor>> {
+        // Every layer rotates the same positions: gather their cos/sin rows once.
+        let cos_sin = self.rope.at(&bt.positions)?;
+        let mut x = self.embed.forward(&bt.tokens)?.unsqueeze(0)?;
+        for (block, pool) in self.blocks.iter().zip(pools) {
+            x = block.forward(x, eps, self.comm(), |h| {
+                block.attn.forward_paged(h, &cos_sin, bt, batch.total, pool)
+            })?;
+        }
+        if self.lm_head.is_none() {
+            return Ok(None);
+        }
+        let last = x.squeeze(0)?.index_select(&bt.last_rows, 0)?;
+        let last = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
+        self.logits(&last)
+    }
+}
+
+/// Rank 0's value out of [`on_ranks`]' results.
+fn first(mut v: Vec<Option<Tensor>>) -> Result<Tensor> {
+    match v.swap_remove(0) {
+        Some(t) => Ok(t),
+        None => bail!("rank 0 returned no logits"),
+    }
+}
+
+impl Model {
+    /// Builds the model from Hugging Face tensor names (`model.layers.N.self_attn.q_proj.weight`,
+    /// ...). `max_pos` sizes the rotary table (at least the KV cache capacity).
+    pub fn load(vb: VarBuilder, cfg: &Config, max_pos: usize, attn: AttnBackend) -> Result<Model> {
+        Model::load_ranks(&[vb], vec![], cfg, max_pos, attn)
+    }
+
+    /// A tensor-parallel model over `vbs.len()` ranks: rank `r` reads its part of every weight
+    /// through `vbs[r]` (which sets its device) and sums partial outputs through `comms[r]`
+    /// (empty for one rank).
+    pub fn load_ranks(
+        vbs: &[VarBuilder],
+        comms: Vec<Arc<dyn AllReduce>>,
+        cfg: &Config,
+        max_pos: usize,
+        attn: AttnBackend,
+    ) -> Result<Model> {
+        cfg.validate()?;
+        let size = vbs.len();
+        crate::tp::check_divisible(
+            size,
+            cfg.num_key_value_heads,
+            cfg.num_attention_heads,
+            cfg.intermediate_size,
+        )?;
+        if size > 1 && comms.len() != size {
+            bail!(
+                "{size} ranks need {size} all-reduce handles, got {}",
+                comms.len()
+            )
+        }
+        let mut comms = comms.into_iter();
+        let ranks = vbs
+            .iter()
+            .enumerate()
+            .map(|(rank, vb)| {
+                let shard = Shard { rank, size };
+                Rank::load(vb, cfg, max_pos, shard, comms.next())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Model {
+            ranks,
             cfg: cfg.clone(),
             eps: cfg.rms_norm_eps as f32,
             attn,
@@ -889,92 +1123,147 @@ impl Model {
         &self.cfg
     }
 
+    /// Tensor-parallel ranks (1 without `--tp`).
+    pub fn tp(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Milliseconds rank 0 spent in all-reduces since the last call (timed ones only, see
+    /// `--time-allreduce`; 0 otherwise).
+    pub fn allreduce_ms(&self) -> Result<f64> {
+        match &self.ranks[0].comm {
+            Some(c) => c.take_ms(),
+            None => Ok(0.0),
+        }
+    }
+
+    /// Each rank's device; rank 0's is where inputs go and logits come back.
+    pub fn devices(&self) -> Vec<Device> {
+        self.ranks.iter().map(|r| r.device.clone()).collect()
+    }
+
+    /// Zeroed K/V buffers `[rank][layer]`, `(n, rows, heads_kv / tp, head_dim)`: a dense cache of
+    /// `n` sequences, or a paged pool of `n` pages of `rows` rows.
+    pub fn kv_buffers(&self, n: usize, rows: usize, dtype: DType) -> Result<Pools> {
+        let heads = self.cfg.num_key_value_heads / self.tp();
+        let shape = (n, rows, heads, self.cfg.head_dim);
+        self.ranks
+            .iter()
+            .map(|r| {
+                (0..self.cfg.num_hidden_layers)
+                    .map(|_| {
+                        Ok((
+                            Tensor::zeros(shape, dtype, &r.device)?,
+                            Tensor::zeros(shape, dtype, &r.device)?,
+                        ))
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// Rebuilds the rotary table for `n` positions and lets the model run that far, beyond the
     /// context it was trained for when `n` is larger (throughput runs at long prompts).
     pub fn set_max_positions(&mut self, n: usize) -> Result<()> {
-        let (dtype, device) = (self.rope.cos.dtype(), self.rope.cos.device().clone());
-        self.rope = Rope::new(&self.cfg, n, dtype, &device)?;
+        for r in &mut self.ranks {
+            let dtype = r.rope.cos.dtype();
+            r.rope = Rope::new(&self.cfg, n, dtype, &r.device)?;
+        }
         self.cfg.max_position_embeddings = n;
         Ok(())
     }
 
-    /// Final hidden states `(b, t, hidden)` for `tokens` `(b, t)` u32, placed after the
-    /// `cache.len()` positions already cached; the cache grows by `t`.
-    fn hidden(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let (_, t) = tokens.dims2()?;
+    /// Final hidden states of every rank for `tokens` `(b, t)` u32, placed after the
+    /// `cache.len()` positions already cached, mapped by `out` (rank 0's result is returned);
+    /// the cache grows by `t`.
+    fn run(
+        &self,
+        tokens: &Tensor,
+        cache: &mut KvCache,
+        out: impl Fn(&Rank, Tensor) -> Result<Option<Tensor>> + Sync,
+    ) -> Result<Tensor> {
+        let shape = tokens.dims2()?;
+        let t = shape.1;
+        let host: Vec<u32> = tokens.flatten_all()?.to_vec1()?;
         let pos = cache.len;
-        if cache.layers.len() != self.blocks.len() {
+        if cache.ranks.len() != self.ranks.len()
+            || cache
+                .ranks
+                .iter()
+                .any(|l| l.len() != self.cfg.num_hidden_layers)
+        {
             bail!(
-                "kv cache has {} layers, model has {}",
-                cache.layers.len(),
-                self.blocks.len()
+                "kv cache has {} ranks of {:?} layers, model has {} ranks of {} layers",
+                cache.ranks.len(),
+                cache.ranks.iter().map(Vec::len).collect::<Vec<_>>(),
+                self.ranks.len(),
+                self.cfg.num_hidden_layers
             )
         }
-        let mut x = self.embed.forward(tokens)?;
-        // Built once per forward pass and shared by the layers.
-        let eager_mask = match self.attn {
-            AttnBackend::Eager => causal_mask(t, pos + t, tokens.device())?,
-            AttnBackend::Flashcore => None,
-        };
-        for (block, layer_cache) in self.blocks.iter().zip(cache.layers.iter_mut()) {
-            x = block.forward(x, self.eps, |h| {
-                block.attn.forward(
-                    h,
-                    &self.rope,
-                    pos,
-                    layer_cache,
-                    self.attn,
-                    eager_mask.as_ref(),
-                )
-            })?;
-        }
+        let (attn, eps) = (self.attn, self.eps);
+        let mut work: Vec<(&Rank, &mut Vec<(Tensor, Tensor)>)> =
+            self.ranks.iter().zip(cache.ranks.iter_mut()).collect();
+        let outs = on_ranks(&mut work, self.ranks[0].comm(), |_, (rank, layers)| {
+            let x = rank.hidden(&host, shape, layers, pos, attn, eps)?;
+            out(rank, x)
+        })?;
         cache.len = pos + t;
-        Ok(candle_nn::ops::rms_norm(&x, &self.norm, self.eps)?)
+        first(outs)
     }
 
     /// Logits of the last position only, `(b, vocab)` f32 (prefill and decode).
     pub fn forward_last(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let x = self.hidden(tokens, cache)?;
-        let t = x.dim(1)?;
-        let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
-        Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
+        self.run(tokens, cache, |rank, x| {
+            if rank.lm_head.is_none() {
+                return Ok(None);
+            }
+            let t = x.dim(1)?;
+            rank.logits(&x.narrow(1, t - 1, 1)?.squeeze(1)?)
+        })
     }
 
     /// Logits of each sequence's last new token, `(sequences, vocab)` f32, for a
-    /// [`PagedBatch`] over per-layer pools `(k_pages, v_pages)` (flashcore attention whatever
-    /// [`Model::attn`] says).
-    pub fn forward_paged(&self, batch: &PagedBatch, pools: &[(Tensor, Tensor)]) -> Result<Tensor> {
-        if pools.len() != self.blocks.len() {
+    /// [`PagedBatch`] over per-rank, per-layer pools `(k_pages, v_pages)` (flashcore attention
+    /// whatever [`Model::attn`] says).
+    pub fn forward_paged(&self, batch: &PagedBatch, pools: &Pools) -> Result<Tensor> {
+        if pools.len() != self.ranks.len()
+            || batch.ranks.len() != self.ranks.len()
+            || pools.iter().any(|p| p.len() != self.cfg.num_hidden_layers)
+        {
             bail!(
-                "{} K/V pools for a model of {} layers",
+                "{} ranks of K/V pools ({:?} layers) and a batch for {} ranks, for a model of {} \
+                 ranks of {} layers",
                 pools.len(),
-                self.blocks.len()
+                pools.iter().map(Vec::len).collect::<Vec<_>>(),
+                batch.ranks.len(),
+                self.ranks.len(),
+                self.cfg.num_hidden_layers
             )
         }
-        let max = self.rope.cos.dim(0)?;
+        let max = self.ranks[0].rope.cos.dim(0)?;
         if batch.max_position >= max {
             bail!(
                 "position {} is beyond the rotary table ({max} positions)",
                 batch.max_position
             )
         }
-        // Every layer rotates the same positions: gather their cos/sin rows once.
-        let cos_sin = self.rope.at(&batch.positions)?;
-        let mut x = self.embed.forward(&batch.tokens)?.unsqueeze(0)?;
-        for (block, pool) in self.blocks.iter().zip(pools) {
-            x = block.forward(x, self.eps, |h| {
-                block.attn.forward_paged(h, &cos_sin, batch, pool)
-            })?;
-        }
-        let last = x.squeeze(0)?.index_select(&batch.last_rows, 0)?;
-        let last = candle_nn::ops::rms_norm(&last, &self.norm, self.eps)?;
-        Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
+        let eps = self.eps;
+        let mut work: Vec<(&Rank, &BatchTensors, &Layers)> = self
+            .ranks
+            .iter()
+            .zip(&batch.ranks)
+            .zip(pools)
+            .map(|((r, b), p)| (r, b, p))
+            .collect();
+        let outs = on_ranks(&mut work, self.ranks[0].comm(), |_, (rank, bt, pool)| {
+            rank.forward_paged(batch, bt, pool, eps)
+        })?;
+        first(outs)
     }
 
     /// Logits of every position, `(b, t, vocab)` f32 (teacher-forced scoring).
     pub fn forward_all(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let x = self.hidden(tokens, cache)?;
-        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        self.run(tokens, cache, |rank, x| rank.logits(&x))
     }
 }
 

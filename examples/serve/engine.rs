@@ -20,7 +20,7 @@ use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use crate::generate::{generate, Sampler};
-use crate::model::{kv_buffers, Config, KvCache, Model, PagedBatch, SeqStep};
+use crate::model::{Config, KvCache, Model, PagedBatch, Pools, SeqStep};
 
 /// One request: prompt ids, a cap on new tokens, and when it arrives (seconds after the start).
 #[derive(Clone, Debug)]
@@ -111,32 +111,29 @@ pub struct RunReport {
 /// Per-layer K/V pools `(num_pages, page_size, heads_kv, head_dim)` sharing one page
 /// allocator: a page id means the same rows in every layer.
 pub struct KvPool {
-    layers: Vec<(Tensor, Tensor)>,
+    /// `[rank][layer]` K/V page buffers.
+    layers: Pools,
     page_size: usize,
     free: Vec<u32>,
 }
 
 impl KvPool {
-    /// Bytes of one page over all layers (K and V).
-    pub fn page_bytes(cfg: &Config, page_size: usize, dtype: DType) -> usize {
+    /// Bytes of one page over all layers (K and V) on each of `tp` ranks (each holds
+    /// `heads_kv / tp` heads).
+    pub fn page_bytes(cfg: &Config, page_size: usize, dtype: DType, tp: usize) -> usize {
         2 * cfg.num_hidden_layers
             * page_size
-            * cfg.num_key_value_heads
+            * (cfg.num_key_value_heads / tp.max(1))
             * cfg.head_dim
             * dtype.size_in_bytes()
     }
 
-    pub fn new(
-        cfg: &Config,
-        num_pages: usize,
-        page_size: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<KvPool> {
+    /// `num_pages` pages on every rank of `model` (a page number names the same rows on all).
+    pub fn new(model: &Model, num_pages: usize, page_size: usize, dtype: DType) -> Result<KvPool> {
         if num_pages == 0 || page_size == 0 || num_pages > u32::MAX as usize {
             bail!("kv pool: need at least one page of at least one row (got {num_pages} pages of {page_size})")
         }
-        let layers = kv_buffers(cfg, num_pages, page_size, dtype, device)?;
+        let layers = model.kv_buffers(num_pages, page_size, dtype)?;
         Ok(KvPool {
             layers,
             page_size,
@@ -147,6 +144,7 @@ impl KvPool {
     pub fn num_pages(&self) -> usize {
         self.layers
             .first()
+            .and_then(|l| l.first())
             .map(|(k, _)| k.dim(0).unwrap_or(0))
             .unwrap_or(0)
     }
@@ -296,6 +294,7 @@ pub fn serve_continuous(
         }
     }
     let device = model_device(pool);
+    let devices = model.devices();
     let mut arrivals: VecDeque<&Request> = requests.iter().collect();
     let mut waiting: VecDeque<Seq> = VecDeque::new();
     let mut running: Vec<Seq> = Vec::new();
@@ -433,7 +432,7 @@ pub fn serve_continuous(
                 }
             })
             .collect();
-        let batch = PagedBatch::new(&seqs, page_size, &device)?;
+        let batch = PagedBatch::new(&seqs, page_size, &devices)?;
         let logits = model.forward_paged(&batch, &pool.layers)?;
         let host = t0.elapsed().as_secs_f64();
         // Sequences whose new tokens reach their end get a next token, sampled in running
@@ -531,6 +530,7 @@ pub fn serve_continuous(
 fn model_device(pool: &KvPool) -> Device {
     pool.layers
         .first()
+        .and_then(|l| l.first())
         .map(|(k, _)| k.device().clone())
         .unwrap_or(Device::Cpu)
 }
@@ -550,12 +550,11 @@ pub fn serve_static(
     batch_size: usize,
     max_batch_tokens: usize,
     dtype: DType,
-    device: &Device,
 ) -> Result<RunReport> {
     if batch_size == 0 {
         bail!("static batching: the batch size must be positive")
     }
-    let cfg = model.config().clone();
+    let devices = model.devices();
     let mut finished = Vec::with_capacity(requests.len());
     let mut steps = Vec::new();
     let mut progress = Progress::new("static", requests.len(), opt.progress);
@@ -566,7 +565,7 @@ pub fn serve_static(
         let p_max = group.iter().map(|r| r.prompt.len()).max().unwrap_or(1);
         let g_max = group.iter().map(|r| r.max_new_tokens).max().unwrap_or(0);
         let max_seq = p_max + g_max;
-        let cache = KvPool::new(&cfg, b, max_seq, dtype, device)?;
+        let cache = KvPool::new(model, b, max_seq, dtype)?;
         let pages: Vec<[u32; 1]> = (0..b as u32).map(|i| [i]).collect();
         let mut samplers: Vec<Sampler> = group.iter().map(|r| opt.sampler(r.id)).collect();
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
@@ -596,7 +595,7 @@ pub fn serve_static(
                 })
                 .collect();
             let last: Vec<usize> = rows.clone().map(|k| group[k].prompt.len() - 1).collect();
-            let batch = PagedBatch::new(&seqs, max_seq, device)?.logits_at(&last)?;
+            let batch = PagedBatch::new(&seqs, max_seq, &devices)?.logits_at(&last)?;
             let logits = model.forward_paged(&batch, &cache.layers)?;
             let mut refs: Vec<&mut Sampler> = samplers[rows.clone()].iter_mut().collect();
             next.extend(sample_rows(&logits, &mut refs)?);
@@ -634,7 +633,7 @@ pub fn serve_static(
                     pages: &pages[k],
                 })
                 .collect();
-            let batch = PagedBatch::new(&seqs, max_seq, device)?;
+            let batch = PagedBatch::new(&seqs, max_seq, &devices)?;
             let logits = model.forward_paged(&batch, &cache.layers)?;
             let host = t0.elapsed().as_secs_f64();
             let mut refs: Vec<&mut Sampler> = samplers.iter_mut().collect();
@@ -681,15 +680,13 @@ pub fn serve_sequential(
     requests: &[Request],
     opt: &Options,
     dtype: DType,
-    device: &Device,
 ) -> Result<RunReport> {
-    let cfg = model.config().clone();
     let max_seq = requests
         .iter()
         .map(|r| r.prompt.len() + r.max_new_tokens)
         .max()
         .unwrap_or(1);
-    let mut cache = KvCache::new(&cfg, 1, max_seq, dtype, device)?;
+    let mut cache = KvCache::new(model, 1, max_seq, dtype)?;
     let mut finished = Vec::with_capacity(requests.len());
     let mut progress = Progress::new("sequential", requests.len(), opt.progress);
     let start = Instant::now();

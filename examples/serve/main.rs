@@ -23,9 +23,15 @@ mod load;
 #[allow(dead_code)]
 #[path = "../llama/model.rs"]
 mod model;
+#[cfg(feature = "cuda")]
+#[path = "../llama/nccl.rs"]
+mod nccl;
 #[allow(dead_code)]
 #[path = "../llama/tokenizer.rs"]
 mod tokenizer;
+#[allow(dead_code)]
+#[path = "../llama/tp.rs"]
+mod tp;
 
 mod engine;
 mod report;
@@ -37,7 +43,7 @@ use std::path::PathBuf;
 
 use engine::{KvPool, Limits, Options, Request};
 use generate::{device_mem_info, SplitMix64};
-use load::{RunArgs, SourceArgs};
+use load::{RunArgs, SourceArgs, TpArgs};
 use model::{AttnBackend, Model};
 use serde_json::Value;
 use tokenizer::TextTokenizer;
@@ -122,6 +128,8 @@ struct Args {
 
     #[command(flatten)]
     run: RunArgs,
+    #[command(flatten)]
+    tp: TpArgs,
     /// One JSON line per request and a summary line on stdout.
     #[arg(long)]
     json: bool,
@@ -239,13 +247,17 @@ fn build_requests(args: &Args, tok: Option<&TextTokenizer>, vocab: usize) -> Res
 fn main() -> Result<()> {
     let args = Args::parse();
     let (device, dtype) = args.run.device_and_dtype()?;
+    let (ranks, tp_line) = args.tp.ranks(&args.run, &device)?;
+    if let Some(line) = &tp_line {
+        eprintln!("{line}");
+    }
     let source = args.source.source()?;
     let t0 = std::time::Instant::now();
-    let loaded = load::load(
+    let loaded = load::load_tp(
         &source,
         args.source.tokenizer.as_deref(),
         dtype,
-        &device,
+        &ranks,
         AttnBackend::Flashcore,
     )?;
     let mut model: Model = loaded.model;
@@ -255,7 +267,7 @@ fn main() -> Result<()> {
     let tok = loaded.tokenizer.as_ref();
     let cfg = model.config().clone();
     eprintln!(
-        "loaded {} in {:.1}s: {} layers, heads {}/{}, head_dim {}, {:.0}M params, {dtype:?} on {:?}",
+        "loaded {} in {:.1}s: {} layers, heads {}/{}, head_dim {}, {:.0}M params, {dtype:?} on {:?} (tp {})",
         loaded.description,
         t0.elapsed().as_secs_f64(),
         cfg.num_hidden_layers,
@@ -264,6 +276,7 @@ fn main() -> Result<()> {
         cfg.head_dim,
         cfg.num_params() as f64 * 1e-6,
         device.location(),
+        model.tp(),
     );
 
     let requests = build_requests(&args, tok, cfg.vocab_size)?;
@@ -291,7 +304,9 @@ fn main() -> Result<()> {
     };
 
     // K/V memory: the pool for continuous batching, the dense cache for static batching.
-    let page_bytes = KvPool::page_bytes(&cfg, args.page_size, dtype);
+    // Per rank (each holds its share of the K/V heads); rank 0's free memory is the budget (it
+    // also holds the LM head, so it has the least).
+    let page_bytes = KvPool::page_bytes(&cfg, args.page_size, dtype, model.tp());
     let row_bytes = page_bytes / args.page_size.max(1);
     let kv_budget =
         device_mem_info(&device).map(|(free, _)| (free as f64 * args.kv_mem_frac) as usize);
@@ -347,7 +362,7 @@ fn main() -> Result<()> {
         }
         let r = match mode {
             Mode::Continuous => {
-                let mut pool = KvPool::new(&cfg, num_pages, args.page_size, dtype, &device)?;
+                let mut pool = KvPool::new(&model, num_pages, args.page_size, dtype)?;
                 engine::serve_continuous(&model, reqs, &opt, &limits, &mut pool)?
             }
             Mode::Static => engine::serve_static(
@@ -357,9 +372,8 @@ fn main() -> Result<()> {
                 static_batch,
                 args.max_batch_tokens,
                 dtype,
-                &device,
             )?,
-            Mode::Sequential => engine::serve_sequential(&model, reqs, &opt, dtype, &device)?,
+            Mode::Sequential => engine::serve_sequential(&model, reqs, &opt, dtype)?,
         };
         report::print_requests(&r, tok, args.json, args.quiet)?;
         reports.push(r);
@@ -402,25 +416,16 @@ fn warm_up(
         progress: false,
         ..opt.clone()
     };
-    let cfg = model.config();
     match mode {
         Mode::Continuous => {
-            let mut pool = KvPool::new(cfg, pages, page_size, dtype, device)?;
+            let mut pool = KvPool::new(model, pages, page_size, dtype)?;
             engine::serve_continuous(model, &reqs, &quiet, limits, &mut pool)?;
         }
         Mode::Static => {
-            engine::serve_static(
-                model,
-                &reqs,
-                &quiet,
-                2,
-                limits.max_batch_tokens,
-                dtype,
-                device,
-            )?;
+            engine::serve_static(model, &reqs, &quiet, 2, limits.max_batch_tokens, dtype)?;
         }
         Mode::Sequential => {
-            engine::serve_sequential(model, &reqs, &quiet, dtype, device)?;
+            engine::serve_sequential(model, &reqs, &quiet, dtype)?;
         }
     }
     device.synchronize()?;
