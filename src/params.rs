@@ -62,6 +62,15 @@ pub struct AttnParams {
     /// ALiBi slopes, f32 of shape `(heads_q,)` or `(batch, heads_q)` (one row per sequence):
     /// adds `-slope[b][h] * |j - (i + seq_k - seq_q)|`.
     pub alibi_slopes: Option<Tensor>,
+    /// Learnable attention sinks (gpt-oss), f32 of shape `(heads_q,)`, contiguous, on q's device:
+    /// one more logit `sinks[h]` in every softmax row of query head `h`, compared with the row's
+    /// (scaled, capped, biased) scores but carrying no value. Row `i` of head `h` then outputs
+    /// `sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sinks[h] - m))` (m: the max over the row's
+    /// visible scores and the sink) and its log-sum-exp includes the sink, `ln(e^lse + e^sink)`;
+    /// a row that sees no key outputs zeros with LSE `sinks[h]`. A sink of `-inf` is exactly no
+    /// sink; `+inf` takes the whole weight (O zeros, LSE `+inf`); NaN makes the rows of its head
+    /// that see a key NaN (O and LSE) and the LSE of the others NaN.
+    pub sinks: Option<Tensor>,
 }
 
 /// Where sequence `i`'s query rows and keys live: the one description of a batch that the CPU
@@ -123,6 +132,9 @@ pub(crate) struct Problem {
     pub alibi: bool,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub alibi_per_batch: bool,
+    /// Whether sinks were given (the tensor travels beside the problem, as the slopes do).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub sinks: bool,
     /// Dense or packed variable-length sequences (q side; and k side when `keys` is `Rows`).
     pub seqs: Seqs,
     /// Where the keys live: rows of k/v, or a paged cache.
@@ -337,7 +349,38 @@ fn check_common(
         }
         check_device("alibi_slopes", s, ("q", q))?;
     }
+    if let Some(s) = &p.sinks {
+        check_sinks(s, q, hq)?;
+    }
     Ok((scale, scale_f64, per_batch))
+}
+
+/// Sinks: f32 `(heads_q,)`, contiguous, on q's device. Their values are never checked (a GPU
+/// would need a sync): the field's docs say what non-finite ones do.
+fn check_sinks(s: &Tensor, q: &Tensor, hq: usize) -> candle_core::Result<()> {
+    if s.dtype() != DType::F32 {
+        return Err(bad(
+            "sinks",
+            "dtype must be f32",
+            format!("{:?}", s.dtype()),
+        ));
+    }
+    if s.dims() != [hq] {
+        return Err(bad(
+            "sinks",
+            &format!("shape must be (heads_q,) = ({hq},)"),
+            format!("{:?}", s.dims()),
+        ));
+    }
+    check_device("sinks", s, ("q", q))?;
+    if !s.is_contiguous() {
+        return Err(bad(
+            "sinks",
+            "must be contiguous",
+            format!("strides {:?}", s.stride()),
+        ));
+    }
+    Ok(())
 }
 
 /// `mask` with every window bound that cannot matter for a problem of at most `sq` query rows
@@ -406,6 +449,7 @@ pub(crate) fn validate(
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,
+        sinks: p.sinks.is_some(),
         seqs: Seqs::Dense,
         keys: Keys::Rows,
         q_strides,
@@ -499,6 +543,7 @@ pub(crate) fn validate_varlen(
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,
+        sinks: p.sinks.is_some(),
         seqs: Seqs::Varlen { total_q, total_k },
         keys: Keys::Rows,
         q_strides,
@@ -736,6 +781,7 @@ pub(crate) fn validate_paged(
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,
+        sinks: p.sinks.is_some(),
         seqs,
         keys: Keys::Paged {
             page_size,

@@ -260,6 +260,8 @@ struct Ctx<'a, T, A> {
     v: &'a [T],
     p: &'a Problem,
     slopes: Option<&'a [f32]>,
+    /// One sink logit per query head (`AttnParams::sinks`), or `None`.
+    sinks: Option<&'a [f32]>,
     scale: A,
     /// `|scale| <= 1`: q is multiplied by the scale as it is loaded (the products can then only
     /// shrink); otherwise the dot product is scaled. Either way the score does not overflow
@@ -391,7 +393,7 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
             }
         }
         if lo_t >= hi_t {
-            return; // O stays zero and LSE -inf
+            return; // O stays zero and LSE -inf (the sink's: `fused` starts every row there)
         }
         for (r, &(i, h, lo, hi)) in rows.iter().enumerate() {
             let dst = &mut sc.q[r * d..(r + 1) * d];
@@ -414,6 +416,23 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
         let kr = Rows::of(self.k_direct, &kv.k, at(p.k_strides), d);
         let mut m = [A::NEG_INF; MR];
         let mut l = [A::ZERO; MR];
+        if let Some(sinks) = self.sinks {
+            // The sink is one more score of the row, seen before its keys, with a zero value
+            // row: the online softmax starts at (m, l) = (sink, e^0) and O = 0. A -inf sink
+            // leaves (-inf, 0), exactly no sink; a NaN one poisons the row through `l`.
+            for (r, &(_, h, lo, hi)) in rows.iter().enumerate() {
+                if r >= nr || lo >= hi {
+                    continue;
+                }
+                let s = A::of(sinks[h] as f64);
+                if s.is_nan() {
+                    l[r] = s;
+                } else if s != A::NEG_INF {
+                    m[r] = s;
+                    l[r] = A::ONE;
+                }
+            }
+        }
         let mut blk = lo_t / KB * KB;
         while blk < hi_t {
             let n = KB.min(hi_t - blk);
@@ -734,11 +753,18 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
     v: &[T],
     p: &Problem,
     slopes: Option<&[f32]>,
+    sinks: Option<&[f32]>,
 ) -> (Vec<T>, Vec<f32>) {
     let (b, sq, sk, hq, hkv, d) = (p.b, p.sq, p.sk, p.hq, p.hkv, p.d);
     let ratio = hq / hkv;
     let mut out = vec![T::zero(); b * sq * hq * d];
+    // Rows that see no key keep these: -inf, or their head's sink.
     let mut lse = vec![f32::NEG_INFINITY; b * hq * sq];
+    if let Some(sinks) = sinks {
+        for (i, x) in lse.iter_mut().enumerate() {
+            *x = sinks[(i / sq) % hq];
+        }
+    }
     // Multiply-adds of Q K^T (as many again for P V).
     let work = b
         * hq
@@ -770,6 +796,7 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
         v,
         p,
         slopes,
+        sinks,
         // The f64 path takes the scale in f64 (the default 1 / sqrt(d) computed in f64).
         scale: if std::mem::size_of::<A>() == 8 {
             A::of(p.scale_f64)
@@ -902,6 +929,10 @@ pub(crate) fn eager_chunked(
                 Some(sl) => Some(sl.narrow(sl.rank() - 1, g * ratio, n * ratio)?),
                 None => None,
             };
+            sub.sinks = match &params.sinks {
+                Some(sn) => Some(sn.narrow(0, g * ratio, n * ratio)?),
+                None => None,
+            };
             out.push(eager_chunked(
                 &q.narrow(2, g * ratio, n * ratio)?,
                 &k.narrow(2, g, n)?,
@@ -973,6 +1004,16 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
             .broadcast_as(s.shape())?
             .where_cond(&s, &neg_inf.broadcast_as(s.shape())?)?;
     }
+    // Sinks: one more column of scores per row, the head's sink, whose weight is dropped
+    // before P V (it carries no value).
+    if let Some(sn) = &params.sinks {
+        let col = sn
+            .to_dtype(cd)?
+            .reshape((1, p.hq, 1, 1))?
+            .broadcast_as((p.b, p.hq, p.sq, 1))?
+            .contiguous()?;
+        s = Tensor::cat(&[&s, &col], D::Minus1)?;
+    }
     let rmax = s.max_keepdim(D::Minus1)?;
     let mut w = candle_nn::ops::softmax_last_dim(&s)?;
     // +inf scores share the row's weight (the softmax's limit).
@@ -992,6 +1033,9 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
         .where_cond(&w.zeros_like()?, &w)?;
     // A NaN score makes its row NaN (the max above may have skipped it).
     w = has_nan.where_cond(&nan, &w)?;
+    if params.sinks.is_some() {
+        w = w.narrow(D::Minus1, 0, p.sk)?.contiguous()?;
+    }
     let v_finite = v
         .sub(&v)?
         .eq(0.0)?
@@ -1022,6 +1066,15 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
     let o = empty_row
         .broadcast_as(o.shape())?
         .where_cond(&o.zeros_like()?, &o)?;
+    // Rows that see no key are zeros whatever their sink (a NaN one included).
+    let o = match &vis {
+        Some(vis) if params.sinks.is_some() => {
+            let sees = vis.max_keepdim(1)?.reshape((1, 1, p.sq, 1))?;
+            sees.broadcast_as(o.shape())?
+                .where_cond(&o, &o.zeros_like()?)?
+        }
+        _ => o,
+    };
     o.transpose(1, 2)?.to_dtype(dtype)?.contiguous()
 }
 

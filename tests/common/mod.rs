@@ -126,10 +126,26 @@ pub fn reference_f64(
         s = s.broadcast_sub(&sl.broadcast_mul(&dist)?)?;
     }
     let s = s.broadcast_add(&Tensor::from_vec(bias, (sq, sk), &cpu)?)?;
-    let m = s.max_keepdim(D::Minus1)?;
+    // Sinks: a per-head logit beside every row's scores, in the max and the sum, without a value.
+    let sink = p
+        .sinks
+        .as_ref()
+        .map(|t| {
+            t.to_device(&cpu)?
+                .to_dtype(DType::F64)?
+                .reshape((1, hq, 1, 1))
+        })
+        .transpose()?;
+    let mut m = s.max_keepdim(D::Minus1)?;
+    if let Some(sn) = &sink {
+        m = m.broadcast_maximum(sn)?;
+    }
     let m_safe = m.clamp(-1e300, f64::INFINITY)?; // -inf rows: avoid (-inf) - (-inf)
     let e = s.broadcast_sub(&m_safe)?.exp()?;
-    let l = e.sum_keepdim(D::Minus1)?;
+    let mut l = e.sum_keepdim(D::Minus1)?;
+    if let Some(sn) = &sink {
+        l = (l + sn.broadcast_sub(&m_safe)?.exp()?)?;
+    }
     let l_safe = l.clamp(1e-300, f64::INFINITY)?;
     let o = e
         .broadcast_div(&l_safe)?
