@@ -230,7 +230,23 @@ pub fn params_of(p: &AttnParams, i: usize) -> Result<AttnParams> {
     Ok(out)
 }
 
-/// The same options with the ALiBi slopes (if any) on `dev`.
+/// Sinks for the tests, f32 `(hq,)` on `dev`: spread over [-2, 12] (below and above the LSEs of
+/// random rows over 1 to 64k keys, so that the sink takes from nothing to most of a row's
+/// weight), head 2 `-inf` (no sink) when there are more than 2 heads.
+pub fn test_sinks(hq: usize, dev: &Device) -> Result<Tensor> {
+    let v: Vec<f32> = (0..hq)
+        .map(|h| {
+            if h == 2 {
+                f32::NEG_INFINITY
+            } else {
+                -2.0 + 14.0 * ((h * 5 + 1) % 13) as f32 / 12.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(v, hq, dev)
+}
+
+/// The same options with the ALiBi slopes and sinks (if any) on `dev`.
 pub fn params_on(p: &AttnParams, dev: &Device) -> Result<AttnParams> {
     let mut out = p.clone();
     out.alibi_slopes = p
@@ -238,6 +254,7 @@ pub fn params_on(p: &AttnParams, dev: &Device) -> Result<AttnParams> {
         .as_ref()
         .map(|s| s.to_device(dev))
         .transpose()?;
+    out.sinks = p.sinks.as_ref().map(|s| s.to_device(dev)).transpose()?;
     Ok(out)
 }
 
@@ -252,6 +269,9 @@ pub fn opts_name(p: &AttnParams) -> String {
     }
     if let Some(sc) = p.softmax_scale {
         s += &format!(" scale{sc}");
+    }
+    if p.sinks.is_some() {
+        s += " sinks";
     }
     s
 }
@@ -461,8 +481,8 @@ type SeqResult = (Tensor, Option<Tensor>);
 /// Runs the dense function `f` (taking `(1, s, h, d)` q/k/v, returning O `(1, sq, h, d)` and
 /// maybe LSE `(1, h, sq)`) on every sequence of `vl` with that sequence's options and packs the
 /// results like `attention_varlen`: O `(total_q, hq, d)` in `vl`'s dtype and LSE `(hq, total_q)`,
-/// on the CPU. Sequences with seq_k = 0 give zero rows and LSE -inf (no dense call takes them);
-/// those with seq_q = 0 give nothing. With `per_head`, `f` runs once per (sequence, query head)
+/// on the CPU. Sequences with seq_k = 0 give zero rows and LSE -inf, or the sinks (no dense call
+/// takes them); those with seq_q = 0 give nothing. With `per_head`, `f` runs once per (sequence, query head)
 /// on that head and its K/V head, spread over all cores: the fast CPU reference for long
 /// sequences (the CPU kernel parallelises over KV heads only).
 pub fn varlen_by_sequence<F>(
@@ -495,6 +515,9 @@ where
             Some(h) => {
                 if let Some(s) = &pi.alibi_slopes {
                     pi.alibi_slopes = Some(s.narrow(0, h, 1)?);
+                }
+                if let Some(s) = &pi.sinks {
+                    pi.sinks = Some(s.narrow(0, h, 1)?.contiguous()?);
                 }
                 (
                     q.narrow(2, h, 1)?,
@@ -543,7 +566,15 @@ where
         }
         if sk == 0 {
             os.push(Tensor::zeros((sq, hq, d), vl.q.dtype(), &cpu)?);
-            ls.push(Tensor::full(f32::NEG_INFINITY, (hq, sq), &cpu)?);
+            ls.push(match &p.sinks {
+                // keyless rows: LSE = the head's sink
+                Some(sn) => sn
+                    .to_device(&cpu)?
+                    .reshape((hq, 1))?
+                    .broadcast_as((hq, sq))?
+                    .contiguous()?,
+                None => Tensor::full(f32::NEG_INFINITY, (hq, sq), &cpu)?,
+            });
             continue;
         }
         let parts = (0..if per_head { hq } else { 1 })
