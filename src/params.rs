@@ -69,7 +69,8 @@ pub struct AttnParams {
     /// visible scores and the sink) and its log-sum-exp includes the sink, `ln(e^lse + e^sink)`;
     /// a row that sees no key outputs zeros with LSE `sinks[h]`. A sink of `-inf` is exactly no
     /// sink; `+inf` takes the whole weight (O zeros, LSE `+inf`); NaN makes the rows of its head
-    /// that see a key NaN (O and LSE) and the LSE of the others NaN.
+    /// NaN (O and LSE), except rows without weight (no key, or only `-inf` scores): O zeros, LSE
+    /// NaN (docs/numeric-contract.md).
     pub sinks: Option<Tensor>,
 }
 

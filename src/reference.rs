@@ -419,15 +419,13 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
         if let Some(sinks) = self.sinks {
             // The sink is one more score of the row, seen before its keys, with a zero value
             // row: the online softmax starts at (m, l) = (sink, e^0) and O = 0. A -inf sink
-            // leaves (-inf, 0), exactly no sink; a NaN one poisons the row through `l`.
+            // leaves (-inf, 0), exactly no sink; a NaN one is applied at the end (below).
             for (r, &(_, h, lo, hi)) in rows.iter().enumerate() {
                 if r >= nr || lo >= hi {
                     continue;
                 }
                 let s = A::of(sinks[h] as f64);
-                if s.is_nan() {
-                    l[r] = s;
-                } else if s != A::NEG_INF {
+                if !s.is_nan() && s != A::NEG_INF {
                     m[r] = s;
                     l[r] = A::ONE;
                 }
@@ -537,9 +535,13 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
         }
         for (r, &(i, h, lo, hi)) in rows.iter().enumerate() {
             // Rows that see no key, or whose visible scores are all -inf, stay zero with LSE
-            // -inf (a NaN score has made `l` NaN: that row is written, NaN).
+            // -inf or their sink's (a NaN score has made `l` NaN: that row is written, NaN).
             if r >= nr || lo >= hi || (m[r] == A::NEG_INF && !l[r].is_nan()) {
                 continue;
+            }
+            // A NaN sink makes every row with weight NaN (as the GPU epilogue does).
+            if self.sinks.is_some_and(|s| s[h].is_nan()) {
+                l[r] = A::of(f64::NAN);
             }
             let orow = &mut sc.o[r * d..(r + 1) * d];
             for o in orow.iter_mut() {
@@ -1004,6 +1006,16 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
             .broadcast_as(s.shape())?
             .where_cond(&s, &neg_inf.broadcast_as(s.shape())?)?;
     }
+    // Rows without weight from their keys (none visible, or only -inf scores): with sinks
+    // they stay zeros whatever the sink (a NaN one included), as on the fused path.
+    let keyless = match &params.sinks {
+        Some(_) => {
+            let none = s.max_keepdim(D::Minus1)?.eq(f64::NEG_INFINITY)?;
+            let nan = s.ne(&s)?.max_keepdim(D::Minus1)?;
+            Some((none * nan.eq(0u8)?)?)
+        }
+        None => None,
+    };
     // Sinks: one more column of scores per row, the head's sink, whose weight is dropped
     // before P V (it carries no value).
     if let Some(sn) = &params.sinks {
@@ -1066,14 +1078,11 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
     let o = empty_row
         .broadcast_as(o.shape())?
         .where_cond(&o.zeros_like()?, &o)?;
-    // Rows that see no key are zeros whatever their sink (a NaN one included).
-    let o = match &vis {
-        Some(vis) if params.sinks.is_some() => {
-            let sees = vis.max_keepdim(1)?.reshape((1, 1, p.sq, 1))?;
-            sees.broadcast_as(o.shape())?
-                .where_cond(&o, &o.zeros_like()?)?
-        }
-        _ => o,
+    let o = match &keyless {
+        Some(k) => k
+            .broadcast_as(o.shape())?
+            .where_cond(&o.zeros_like()?, &o)?,
+        None => o,
     };
     o.transpose(1, 2)?.to_dtype(dtype)?.contiguous()
 }

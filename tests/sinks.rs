@@ -475,3 +475,50 @@ fn sinks_validation() -> Result<()> {
     assert!(e.to_string().contains("sinks: shape must be"), "{e}");
     Ok(())
 }
+
+/// A row whose visible scores are all -inf has no weight from its keys: with sinks it outputs
+/// zeros with LSE = the sink (NaN for a NaN sink, -inf for none), on the fused and eager paths.
+#[test]
+fn sinks_rows_without_weight() -> Result<()> {
+    let dev = Device::Cpu;
+    let (sq, sk, hq, d) = (3, 5, 3, 16);
+    // row 1 of every head: q = -inf against keys > 0, so every score is -inf
+    let mut qv = vec![0.5f32; sq * hq * d];
+    for x in &mut qv[hq * d..2 * hq * d] {
+        *x = f32::NEG_INFINITY;
+    }
+    let q = Tensor::from_vec(qv, (1, sq, hq, d), &dev)?;
+    let k = Tensor::rand(0.1f32, 1., (1, sk, 1, d), &dev)?;
+    let v = Tensor::randn(0f32, 1., (1, sk, 1, d), &dev)?;
+    let sinks = [2.0f32, f32::NAN, f32::NEG_INFINITY];
+    let p = AttnParams {
+        sinks: Some(Tensor::new(&sinks, &dev)?),
+        ..Default::default()
+    };
+    let (o, lse) = attention_with_lse(&q, &k, &v, &p)?;
+    let eager = attention_slow(&q, &k, &v, &p)?;
+    let lse = lse.squeeze(0)?.to_vec2::<f32>()?;
+    for out in [o, eager] {
+        let out = out.reshape((sq, hq * d))?.to_vec2::<f32>()?;
+        assert!(
+            out[1].iter().all(|&x| x == 0.0),
+            "row without weight: {:?}",
+            out[1]
+        );
+        // the NaN sink's head: rows with weight are NaN
+        for i in [0, 2] {
+            assert!(
+                out[i][d..2 * d].iter().all(|x| x.is_nan()),
+                "NaN sink, row {i}"
+            );
+            assert!(
+                out[i][..d].iter().all(|x| x.is_finite()),
+                "finite sink, row {i}"
+            );
+        }
+    }
+    assert_eq!(lse[0][1], 2.0);
+    assert!(lse[1][1].is_nan());
+    assert_eq!(lse[2][1], f32::NEG_INFINITY);
+    Ok(())
+}
