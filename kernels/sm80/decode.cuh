@@ -731,15 +731,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             const float* ml = sML + ((mt * WN + w) * 16 + rr) * 2;
             L += ml[1] * ex2((ml[0] - Ms) * sl2);
         }
-        const int r = r0 + rl;
-        const int hl = r / sq, i = r - hl * sq;
-        const int h = kvh * p.h_ratio + hl;
-        // One split writes the final row: the head's sink (if any) joins its normaliser here;
-        // split grids leave it to the combine (one sink per row, not one per split).
-        const float sink = nsplit == 1 ? fc::sink_of(p, h) : -INFINITY;
-        float lse_sink;
-        const float inv = sink == -INFINITY ? (L > 0.f ? 1.f / L : 0.f)
-                                            : fc::finalize_sink(Ms * scale, L, sink, lse_sink);
+        const float inv = L > 0.f ? 1.f / L : 0.f;
         float acc[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = 0.f;
@@ -756,8 +748,21 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         }
         // L = 0: no visible key (the combine skips this split); L NaN (a NaN score or slope):
         // NaN, which the combine carries into the row instead of skipping the split.
-        const float lse = sink != -INFINITY ? lse_sink
-                          : L > 0.f ? Ms * scale + logf(L) : (L == 0.f ? -INFINITY : L);
+        float lse = L > 0.f ? Ms * scale + logf(L) : (L == 0.f ? -INFINITY : L);
+        const int r = r0 + rl;
+        const int hl = r / sq, i = r - hl * sq;
+        const int h = kvh * p.h_ratio + hl;
+        // One split writes the final row: the head's sink (if any) joins its normaliser here, as
+        // a factor on the row normalised without it (held through the loop above, the sink
+        // spilled the d256 windowed kernel); split grids leave it to the combine (once per row).
+        if (nsplit == 1 && p.sinks != nullptr) {
+            const float sink = fc::sink_of(p, h);
+            if (sink != -INFINITY) {
+                const float f = fc::finalize_sink(Ms * scale, L, sink, lse) * L;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] *= f;
+            }
+        }
         if (nsplit == 1) {
             if (ch >= dch) continue;  // padded columns (p.d < HEAD_DIM)
             T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
