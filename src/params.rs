@@ -133,9 +133,6 @@ pub(crate) struct Problem {
     pub alibi: bool,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub alibi_per_batch: bool,
-    /// Whether sinks were given (the tensor travels beside the problem, as the slopes do).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub sinks: bool,
     /// Dense or packed variable-length sequences (q side; and k side when `keys` is `Rows`).
     pub seqs: Seqs,
     /// Where the keys live: rows of k/v, or a paged cache.
@@ -450,7 +447,6 @@ pub(crate) fn validate(
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,
-        sinks: p.sinks.is_some(),
         seqs: Seqs::Dense,
         keys: Keys::Rows,
         q_strides,
@@ -544,7 +540,6 @@ pub(crate) fn validate_varlen(
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,
-        sinks: p.sinks.is_some(),
         seqs: Seqs::Varlen { total_q, total_k },
         keys: Keys::Rows,
         q_strides,
@@ -782,7 +777,6 @@ pub(crate) fn validate_paged(
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,
-        sinks: p.sinks.is_some(),
         seqs,
         keys: Keys::Paged {
             page_size,

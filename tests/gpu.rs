@@ -1090,7 +1090,7 @@ fn sinks_non_finite_on_the_gpu() -> Result<()> {
         let (o, lse) = attention_with_lse(&q, &k, &v, &plain)?;
         let (o_s, lse_s) = attention_with_lse(&q, &k, &v, &with)?;
         let (o, lse, o_s, lse_s) = (cpu(o)?, cpu(lse)?, cpu(o_s)?, cpu(lse_s)?);
-        let tol = rounding_floor(dtype, 1.0);
+        let tol = rounding_floor(dtype, 1.0) as f32;
         for bi in 0..b {
             for i in 0..sq {
                 let sees = i >= none;
