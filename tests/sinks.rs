@@ -307,6 +307,11 @@ fn sinks_varlen_identity() -> Result<()> {
         0.0,
         "keyless batch: LSE must be the sinks"
     );
+    // and one with no query rows at all: empty outputs
+    let q0 = Tensor::zeros((0, hq, d), DType::F32, &dev)?;
+    let c0 = Tensor::new(&[0u32, 0], &dev)?;
+    let (o, lse) = attention_varlen_with_lse(&q0, &k, &k, &c0, &ck, 1, 1, &p)?;
+    assert_eq!((o.dims(), lse.dims()), (&[0, hq, d][..], &[hq, 0][..]));
     Ok(())
 }
 
