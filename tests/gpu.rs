@@ -961,28 +961,33 @@ fn sinks_on_the_gpu() -> Result<()> {
         left: Some(l),
         right: Some(r),
     };
-    // (b, sq, sk, hq, hkv, d, mask)
+    // on a 132-SM sm90 (H100 SXM, H200) the key-split cases are asserted to run the key-split
+    // twins (the sink then joins after the ranks' merge)
+    let sm90 = sm90_route_asserted(&dev, |sms| sms == 132)?
+        && std::env::var_os("FLASHCORE_SM90_KV_SPLITS").is_none();
+    // (b, sq, sk, hq, hkv, d, mask, a key split on a 132-SM sm90)
     let cases = [
-        (2, 113, 113, 8, 2, 64, Mask::Causal),
-        (1, 1023, 1023, 64, 8, 64, win(127, 0)),
-        (1, 1000, 1000, 64, 8, 64, Mask::Causal),
-        (2, 300, 100, 8, 8, 128, Mask::Causal),
-        (1, 257, 2113, 4, 1, 256, Mask::None),
-        (1, 200, 1025, 4, 1, 64, Mask::None),
-        (1, 113, 4000, 8, 2, 128, Mask::Causal),
-        (1, 2500, 2100, 2, 2, 64, Mask::Causal),
-        (1, 129, 1, 16, 4, 64, Mask::None),
-        (1, 500, 700, 8, 4, 96, win(100, 20)),
-        (1, 333, 333, 8, 8, 40, Mask::Causal),
-        (2, 700, 700, 16, 2, 256, win(127, 0)),
+        (2, 113, 113, 8, 2, 64, Mask::Causal, false),
+        (1, 1023, 1023, 64, 8, 64, win(127, 0), false),
+        (1, 1000, 1000, 64, 8, 64, Mask::Causal, false),
+        (2, 300, 100, 8, 8, 128, Mask::Causal, false),
+        (1, 257, 2113, 4, 1, 256, Mask::None, false),
+        (1, 200, 1025, 4, 1, 64, Mask::None, true),
+        (1, 113, 4000, 8, 2, 128, Mask::Causal, true),
+        (1, 2500, 2100, 2, 2, 64, Mask::Causal, true),
+        (1, 129, 1, 16, 4, 64, Mask::None, false),
+        (1, 500, 700, 8, 4, 96, win(100, 20), false),
+        (1, 333, 333, 8, 8, 40, Mask::Causal, false),
+        (2, 700, 700, 16, 2, 256, win(127, 0), false),
     ];
-    for (n, (b, sq, sk, hq, hkv, d, mask)) in cases.into_iter().enumerate() {
+    for (n, (b, sq, sk, hq, hkv, d, mask, kvs)) in cases.into_iter().enumerate() {
         let dtype = if n % 2 == 0 { DType::BF16 } else { DType::F16 };
         let (q, k, v) = qkv(b, sq, sk, hq, hkv, d, dtype, n % 3 == 1, &dev)?;
         let p = AttnParams {
             mask,
-            softcap: (n % 3 == 1).then_some(30.0),
-            alibi_slopes: (n % 3 == 2)
+            // (no modifiers on the key-split cases: softcap and ALiBi at d <= 128 run sm80)
+            softcap: (n % 3 == 1 && !kvs).then_some(30.0),
+            alibi_slopes: (n % 3 == 2 && !kvs)
                 .then(|| Tensor::rand(0f32, 0.5, hq, &dev))
                 .transpose()?,
             sinks: Some(test_sinks(hq, &dev)?),
@@ -996,6 +1001,12 @@ fn sinks_on_the_gpu() -> Result<()> {
             Device::Cuda(c) => flashcore::cuda::describe(c, &p, &q, &k, &v)?,
             _ => "cpu".into(),
         };
+        if sm90 && kvs {
+            assert!(
+                kernel.contains("_kvs"),
+                "{what}: ran {kernel}, want a key split"
+            );
+        }
         let (e, ne) = check_params(&what, &q, &k, &v, &p)?;
         println!("[OK] {what}: err {e:.2e} (naive {ne:.2e}) {kernel}");
     }
