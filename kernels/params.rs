@@ -29,6 +29,8 @@ fc_params! {
     o: u64,
     lse: u64,
     alibi_slopes: u64,
+    /// Attention sinks f32 (hq,), natural-log logits, or 0.
+    sinks: u64,
     o_partial: u64,
     lse_partial: u64,
     q_batch_stride: i64,

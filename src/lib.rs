@@ -47,6 +47,9 @@
 //! `s = softmax_scale * q . k`; then, if `softcap` is set, `s = softcap * tanh(s / softcap)`; then,
 //! with ALiBi slopes, `s -= slope[h] * |j - (i + seq_k - seq_q)|`; then the mask; then the softmax.
 //! The log-sum-exp returned by [`attention_with_lse`] is `ln(sum_j exp(s_ij))` over visible keys.
+//! With [`AttnParams::sinks`] each row's softmax has one more term, `exp(sinks[h])`, that carries
+//! no value: the output is scaled by `1 / (1 + exp(sinks[h] - lse))` and the log-sum-exp
+//! includes it; a row that sees no key then has LSE `sinks[h]` (its output stays zeros).
 //!
 //! ## Non-finite values
 //! Scores are computed in f32 (f64 for f64 inputs). `softmax_scale` must be finite (any finite

@@ -10,12 +10,14 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 use std::sync::{Arc, Mutex};
 
-/// The tensors beside q/k/v that a launch reads (on q's device): ALiBi slopes; for a packed
+/// The tensors beside q/k/v that a launch reads (on q's device): ALiBi slopes, sinks; for a packed
 /// batch the prefix sums (`cu_k` only when the keys are rows of k/v); for a paged cache the page
 /// table and the keys of each sequence.
 #[derive(Clone, Default)]
 pub(crate) struct Extra {
     pub alibi_slopes: Option<Tensor>,
+    /// Attention sinks `(heads_q,)` f32 (`AttnParams::sinks`).
+    pub sinks: Option<Tensor>,
     pub cu_q: Option<Tensor>,
     pub cu_k: Option<Tensor>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -113,11 +115,16 @@ impl FlashAttn {
             Some(s) => Some(s.flatten_all()?.to_vec1::<f32>()?),
             None => None,
         };
+        let sinks = match &self.extra.sinks {
+            Some(s) => Some(s.to_vec1::<f32>()?),
+            None => None,
+        };
+        let sinks = sinks.as_deref();
         let run = |q: &[T], k: &[T], v: &[T], prob: &Problem, slopes: Option<&[f32]>| {
             if T::DTYPE == DType::F64 {
-                reference::fused::<T, f64>(q, k, v, prob, slopes)
+                reference::fused::<T, f64>(q, k, v, prob, slopes, sinks)
             } else {
-                reference::fused::<T, f32>(q, k, v, prob, slopes)
+                reference::fused::<T, f32>(q, k, v, prob, slopes, sinks)
             }
         };
         if p.seqs == Seqs::Dense && !p.alibi_per_batch {
@@ -130,9 +137,20 @@ impl FlashAttn {
         let (total_q, _) = p.totals();
         let (hq, d) = (p.hq, p.d);
         let mut out = vec![T::zero(); total_q * hq * d];
+        // (b, hq, sq) or (hq, total_q): every head's rows start at its sink's LSE (-inf without)
         let mut lse = vec![f32::NEG_INFINITY; total_q * hq];
+        if let Some(sk) = sinks {
+            let per_head = match p.seqs {
+                Seqs::Dense => p.sq,
+                Seqs::Varlen { .. } => total_q,
+            };
+            for (i, x) in lse.iter_mut().enumerate() {
+                *x = sk[(i / per_head) % hq];
+            }
+        }
         for s in self.cpu_spans()? {
-            // No rows, or no keys: the rows stay zero with LSE -inf (and nothing is read).
+            // No rows, or no keys: the rows stay zero with LSE -inf, or the sink's (and nothing
+            // is read).
             if s.sq == 0 || s.sk == 0 {
                 continue;
             }
@@ -321,19 +339,32 @@ fn emit(q: &Tensor, k: &Tensor, v: &Tensor, name: &'static str, src: EmitSrc) ->
     q.apply_op3_arc(k, v, Arc::new(Box::new(Emit { name, src })))
 }
 
-/// The answer of a batch with no query rows or no keys at all: O zeros, LSE -inf, both recorded
-/// like a computed answer.
+/// The answer of a batch with no query rows or no keys at all: O zeros, LSE -inf (each head's
+/// sink with sinks), both recorded like a computed answer.
 fn empty_answer(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     problem: &Problem,
+    sinks: Option<&Tensor>,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let o = Tensor::zeros(problem.out_shape(), q.dtype(), q.device())?;
     let o = emit(q, k, v, "flashcore-attention", EmitSrc::Tensor(o))?;
     let lse = if want_lse {
-        let l = Tensor::full(f32::NEG_INFINITY, problem.lse_shape(), q.device())?;
+        let shape = problem.lse_shape();
+        let l = match sinks {
+            None => Tensor::full(f32::NEG_INFINITY, shape, q.device())?,
+            // (b, hq, sq) or (hq, total_q): the head is dim 1 or dim 0
+            Some(s) => {
+                let hq = problem.hq;
+                let col = match problem.seqs {
+                    Seqs::Dense => s.reshape((1, hq, 1))?,
+                    Seqs::Varlen { .. } => s.reshape((hq, 1))?,
+                };
+                col.broadcast_as(shape)?.contiguous()?
+            }
+        };
         Some(emit(
             q,
             k,
@@ -418,6 +449,7 @@ pub(crate) fn run(
     let problem = validate(q, k, v, params)?;
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
+        sinks: params.sinks.clone(),
         ..Default::default()
     };
     apply(q, k, v, problem, extra, want_lse)
@@ -456,10 +488,11 @@ pub(crate) fn run_varlen(
     }
     if total_q == 0 || total_k == 0 {
         // Nothing to attend: every row (if any) sees no key.
-        return empty_answer(q, k, v, &problem, want_lse);
+        return empty_answer(q, k, v, &problem, params.sinks.as_ref(), want_lse);
     }
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
+        sinks: params.sinks.clone(),
         cu_q: Some(seqs.cu_q.clone()),
         cu_k: Some(seqs.cu_k.clone()),
         ..Default::default()
@@ -500,10 +533,18 @@ pub(crate) fn run_paged(
     }
     let (total_q, _) = problem.totals();
     if total_q == 0 {
-        return empty_answer(q, kv.k_pages, kv.v_pages, &problem, want_lse);
+        return empty_answer(
+            q,
+            kv.k_pages,
+            kv.v_pages,
+            &problem,
+            params.sinks.as_ref(),
+            want_lse,
+        );
     }
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
+        sinks: params.sinks.clone(),
         cu_q: packed_q.map(|(c, _)| c.clone()),
         cu_k: None,
         page_table: Some(kv.page_table.clone()),

@@ -62,6 +62,16 @@ pub struct AttnParams {
     /// ALiBi slopes, f32 of shape `(heads_q,)` or `(batch, heads_q)` (one row per sequence):
     /// adds `-slope[b][h] * |j - (i + seq_k - seq_q)|`.
     pub alibi_slopes: Option<Tensor>,
+    /// Learnable attention sinks (gpt-oss), f32 of shape `(heads_q,)`, contiguous, on q's device:
+    /// one more logit `sinks[h]` in every softmax row of query head `h`, compared with the row's
+    /// (scaled, capped, biased) scores but carrying no value. Row `i` of head `h` then outputs
+    /// `sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sinks[h] - m))` (m: the max over the row's
+    /// visible scores and the sink) and its log-sum-exp includes the sink, `ln(e^lse + e^sink)`;
+    /// a row that sees no key outputs zeros with LSE `sinks[h]`. A sink of `-inf` is exactly no
+    /// sink; `+inf` takes the whole weight (O zeros, LSE `+inf`); NaN makes the rows of its head
+    /// NaN (O and LSE), except rows without weight (no key, or only `-inf` scores): O zeros, LSE
+    /// NaN (docs/numeric-contract.md).
+    pub sinks: Option<Tensor>,
 }
 
 /// Where sequence `i`'s query rows and keys live: the one description of a batch that the CPU
@@ -337,7 +347,38 @@ fn check_common(
         }
         check_device("alibi_slopes", s, ("q", q))?;
     }
+    if let Some(s) = &p.sinks {
+        check_sinks(s, q, hq)?;
+    }
     Ok((scale, scale_f64, per_batch))
+}
+
+/// Sinks: f32 `(heads_q,)`, contiguous, on q's device. Their values are never checked (a GPU
+/// would need a sync): the field's docs say what non-finite ones do.
+fn check_sinks(s: &Tensor, q: &Tensor, hq: usize) -> candle_core::Result<()> {
+    if s.dtype() != DType::F32 {
+        return Err(bad(
+            "sinks",
+            "dtype must be f32",
+            format!("{:?}", s.dtype()),
+        ));
+    }
+    if s.dims() != [hq] {
+        return Err(bad(
+            "sinks",
+            &format!("shape must be (heads_q,) = ({hq},)"),
+            format!("{:?}", s.dims()),
+        ));
+    }
+    check_device("sinks", s, ("q", q))?;
+    if !s.is_contiguous() {
+        return Err(bad(
+            "sinks",
+            "must be contiguous",
+            format!("strides {:?}", s.stride()),
+        ));
+    }
+    Ok(())
 }
 
 /// `mask` with every window bound that cannot matter for a problem of at most `sq` query rows

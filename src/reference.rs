@@ -260,6 +260,8 @@ struct Ctx<'a, T, A> {
     v: &'a [T],
     p: &'a Problem,
     slopes: Option<&'a [f32]>,
+    /// One sink logit per query head (`AttnParams::sinks`), or `None`.
+    sinks: Option<&'a [f32]>,
     scale: A,
     /// `|scale| <= 1`: q is multiplied by the scale as it is loaded (the products can then only
     /// shrink); otherwise the dot product is scaled. Either way the score does not overflow
@@ -391,7 +393,7 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
             }
         }
         if lo_t >= hi_t {
-            return; // O stays zero and LSE -inf
+            return; // O stays zero and LSE -inf (the sink's: `fused` starts every row there)
         }
         for (r, &(i, h, lo, hi)) in rows.iter().enumerate() {
             let dst = &mut sc.q[r * d..(r + 1) * d];
@@ -414,6 +416,21 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
         let kr = Rows::of(self.k_direct, &kv.k, at(p.k_strides), d);
         let mut m = [A::NEG_INF; MR];
         let mut l = [A::ZERO; MR];
+        if let Some(sinks) = self.sinks {
+            // The sink is one more score of the row, seen before its keys, with a zero value
+            // row: the online softmax starts at (m, l) = (sink, e^0) and O = 0. A -inf sink
+            // leaves (-inf, 0), exactly no sink; a NaN one is applied at the end (below).
+            for (r, &(_, h, lo, hi)) in rows.iter().enumerate() {
+                if r >= nr || lo >= hi {
+                    continue;
+                }
+                let s = A::of(sinks[h] as f64);
+                if !s.is_nan() && s != A::NEG_INF {
+                    m[r] = s;
+                    l[r] = A::ONE;
+                }
+            }
+        }
         let mut blk = lo_t / KB * KB;
         while blk < hi_t {
             let n = KB.min(hi_t - blk);
@@ -518,9 +535,13 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
         }
         for (r, &(i, h, lo, hi)) in rows.iter().enumerate() {
             // Rows that see no key, or whose visible scores are all -inf, stay zero with LSE
-            // -inf (a NaN score has made `l` NaN: that row is written, NaN).
+            // -inf or their sink's (a NaN score has made `l` NaN: that row is written, NaN).
             if r >= nr || lo >= hi || (m[r] == A::NEG_INF && !l[r].is_nan()) {
                 continue;
+            }
+            // A NaN sink makes every row with weight NaN (as the GPU epilogue does).
+            if self.sinks.is_some_and(|s| s[h].is_nan()) {
+                l[r] = A::of(f64::NAN);
             }
             let orow = &mut sc.o[r * d..(r + 1) * d];
             for o in orow.iter_mut() {
@@ -734,11 +755,18 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
     v: &[T],
     p: &Problem,
     slopes: Option<&[f32]>,
+    sinks: Option<&[f32]>,
 ) -> (Vec<T>, Vec<f32>) {
     let (b, sq, sk, hq, hkv, d) = (p.b, p.sq, p.sk, p.hq, p.hkv, p.d);
     let ratio = hq / hkv;
     let mut out = vec![T::zero(); b * sq * hq * d];
+    // Rows that see no key keep these: -inf, or their head's sink.
     let mut lse = vec![f32::NEG_INFINITY; b * hq * sq];
+    if let Some(sinks) = sinks {
+        for (i, x) in lse.iter_mut().enumerate() {
+            *x = sinks[(i / sq) % hq];
+        }
+    }
     // Multiply-adds of Q K^T (as many again for P V).
     let work = b
         * hq
@@ -770,6 +798,7 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
         v,
         p,
         slopes,
+        sinks,
         // The f64 path takes the scale in f64 (the default 1 / sqrt(d) computed in f64).
         scale: if std::mem::size_of::<A>() == 8 {
             A::of(p.scale_f64)
@@ -902,6 +931,10 @@ pub(crate) fn eager_chunked(
                 Some(sl) => Some(sl.narrow(sl.rank() - 1, g * ratio, n * ratio)?),
                 None => None,
             };
+            sub.sinks = match &params.sinks {
+                Some(sn) => Some(sn.narrow(0, g * ratio, n * ratio)?),
+                None => None,
+            };
             out.push(eager_chunked(
                 &q.narrow(2, g * ratio, n * ratio)?,
                 &k.narrow(2, g, n)?,
@@ -973,6 +1006,26 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
             .broadcast_as(s.shape())?
             .where_cond(&s, &neg_inf.broadcast_as(s.shape())?)?;
     }
+    // Rows without weight from their keys (none visible, or only -inf scores): with sinks
+    // they stay zeros whatever the sink (a NaN one included), as on the fused path.
+    let keyless = match &params.sinks {
+        Some(_) => {
+            let none = s.max_keepdim(D::Minus1)?.eq(f64::NEG_INFINITY)?;
+            let nan = s.ne(&s)?.max_keepdim(D::Minus1)?;
+            Some((none * nan.eq(0u8)?)?)
+        }
+        None => None,
+    };
+    // Sinks: one more column of scores per row, the head's sink, whose weight is dropped
+    // before P V (it carries no value).
+    if let Some(sn) = &params.sinks {
+        let col = sn
+            .to_dtype(cd)?
+            .reshape((1, p.hq, 1, 1))?
+            .broadcast_as((p.b, p.hq, p.sq, 1))?
+            .contiguous()?;
+        s = Tensor::cat(&[&s, &col], D::Minus1)?;
+    }
     let rmax = s.max_keepdim(D::Minus1)?;
     let mut w = candle_nn::ops::softmax_last_dim(&s)?;
     // +inf scores share the row's weight (the softmax's limit).
@@ -992,6 +1045,9 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
         .where_cond(&w.zeros_like()?, &w)?;
     // A NaN score makes its row NaN (the max above may have skipped it).
     w = has_nan.where_cond(&nan, &w)?;
+    if params.sinks.is_some() {
+        w = w.narrow(D::Minus1, 0, p.sk)?.contiguous()?;
+    }
     let v_finite = v
         .sub(&v)?
         .eq(0.0)?
@@ -1022,6 +1078,12 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
     let o = empty_row
         .broadcast_as(o.shape())?
         .where_cond(&o.zeros_like()?, &o)?;
+    let o = match &keyless {
+        Some(k) => k
+            .broadcast_as(o.shape())?
+            .where_cond(&o.zeros_like()?, &o)?,
+        None => o,
+    };
     o.transpose(1, 2)?.to_dtype(dtype)?.contiguous()
 }
 

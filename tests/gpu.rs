@@ -947,3 +947,209 @@ fn decode_cap_rule_without_a_gpu() {
         );
     }
 }
+
+/// Sinks (`AttnParams::sinks`) on the prefill kernels of both families: GQA (gpt-oss's 64/8 at
+/// d64), causal, no mask and windows (gpt-oss's 128-key window), rows that see no key (seq_q >
+/// seq_k under causal), sm90's key-split clusters (the sink joins after the ranks' merge), d256
+/// (sm80's warp pairs), narrow and general-body head dims (40, 96), softcap and ALiBi rotating;
+/// against the float64 reference with the sink in its max and sum, outputs poisoned first.
+#[test]
+fn sinks_on_the_gpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let win = |l, r| Mask::Window {
+        left: Some(l),
+        right: Some(r),
+    };
+    // on a 132-SM sm90 (H100 SXM, H200) the key-split cases are asserted to run the key-split
+    // twins (the sink then joins after the ranks' merge)
+    let sm90 = sm90_route_asserted(&dev, |sms| sms == 132)?
+        && std::env::var_os("FLASHCORE_SM90_KV_SPLITS").is_none();
+    // (b, sq, sk, hq, hkv, d, mask, a key split on a 132-SM sm90)
+    let cases = [
+        (2, 113, 113, 8, 2, 64, Mask::Causal, false),
+        (1, 1023, 1023, 64, 8, 64, win(127, 0), false),
+        (1, 1000, 1000, 64, 8, 64, Mask::Causal, false),
+        (2, 300, 100, 8, 8, 128, Mask::Causal, false),
+        (1, 257, 2113, 4, 1, 256, Mask::None, false),
+        (1, 200, 1025, 4, 1, 64, Mask::None, true),
+        (1, 113, 4000, 8, 2, 128, Mask::Causal, true),
+        (1, 2500, 2100, 2, 2, 64, Mask::Causal, true),
+        (1, 129, 1, 16, 4, 64, Mask::None, false),
+        (1, 500, 700, 8, 4, 96, win(100, 20), false),
+        (1, 333, 333, 8, 8, 40, Mask::Causal, false),
+        (2, 700, 700, 16, 2, 256, win(127, 0), false),
+    ];
+    for (n, (b, sq, sk, hq, hkv, d, mask, kvs)) in cases.into_iter().enumerate() {
+        let dtype = if n % 2 == 0 { DType::BF16 } else { DType::F16 };
+        let (q, k, v) = qkv(b, sq, sk, hq, hkv, d, dtype, n % 3 == 1, &dev)?;
+        let p = AttnParams {
+            mask,
+            // (no modifiers on the key-split cases: softcap and ALiBi at d <= 128 run sm80)
+            softcap: (n % 3 == 1 && !kvs).then_some(30.0),
+            alibi_slopes: (n % 3 == 2 && !kvs)
+                .then(|| Tensor::rand(0f32, 0.5, hq, &dev))
+                .transpose()?,
+            sinks: Some(test_sinks(hq, &dev)?),
+            ..Default::default()
+        };
+        let what = format!(
+            "sinks {dtype:?} b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d} {}",
+            opts_name(&p)
+        );
+        let kernel = match &dev {
+            Device::Cuda(c) => flashcore::cuda::describe(c, &p, &q, &k, &v)?,
+            _ => "cpu".into(),
+        };
+        if sm90 && kvs {
+            assert!(
+                kernel.contains("_kvs"),
+                "{what}: ran {kernel}, want a key split"
+            );
+        }
+        let (e, ne) = check_params(&what, &q, &k, &v, &p)?;
+        println!("[OK] {what}: err {e:.2e} (naive {ne:.2e}) {kernel}");
+    }
+    Ok(())
+}
+
+/// Sinks on the split-KV decode: many splits (the sink joins in the combine, once), one split
+/// (in the split kernel's epilogue), windows (gpt-oss's 128 keys), GQA 8, head dims 64/128/256,
+/// sm90's decode for a few more rows; against the float64 reference, outputs poisoned first.
+#[test]
+fn sinks_decode_on_the_gpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let win = Mask::Window {
+        left: Some(127),
+        right: Some(0),
+    };
+    // (b, sq, sk, hq, hkv, d, mask)
+    let cases = [
+        (1, 1, 16384, 64, 8, 64, Mask::None),
+        (1, 1, 8192, 64, 8, 64, win),
+        (64, 1, 1024, 64, 8, 64, Mask::Causal),
+        (2, 4, 5000, 32, 8, 128, Mask::Causal),
+        (1, 16, 4096, 8, 1, 256, Mask::None),
+        (1, 17, 4096, 32, 8, 128, Mask::Causal),
+        (3, 1, 300, 8, 1, 64, Mask::None),
+        (1, 8, 3, 8, 2, 64, Mask::Causal),
+    ];
+    for (n, (b, sq, sk, hq, hkv, d, mask)) in cases.into_iter().enumerate() {
+        let dtype = if n % 2 == 0 { DType::BF16 } else { DType::F16 };
+        let q = Tensor::randn(0f32, 1., (b, sq, hq, d), &dev)?.to_dtype(dtype)?;
+        let (k, v) = cache_views(&dev, b, sk, sk + 37, hkv, d, dtype)?;
+        let p = AttnParams {
+            mask,
+            softcap: (n % 3 == 2).then_some(30.0),
+            sinks: Some(test_sinks(hq, &dev)?),
+            ..Default::default()
+        };
+        let what = format!(
+            "sinks decode {dtype:?} b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d} {}",
+            opts_name(&p)
+        );
+        let kernel = match &dev {
+            Device::Cuda(c) => flashcore::cuda::describe(c, &p, &q, &k, &v)?,
+            _ => "cpu".into(),
+        };
+        let (e, ne) = check_params(&what, &q, &k, &v, &p)?;
+        println!("[OK] {what}: err {e:.2e} (naive {ne:.2e}) {kernel}");
+    }
+    Ok(())
+}
+
+/// Non-finite sinks on the GPU, prefill and decode (many splits and one): a `-inf` sink is no
+/// sink bit for bit (O and LSE), `+inf` gives O zeros and LSE +inf, NaN gives NaN rows where a
+/// row sees a key and zeros with LSE NaN where it sees none; a finite sink on the same call
+/// matches the rescaling identity `o / (1 + e^(sink - lse))`, `ln(e^lse + e^sink)`.
+#[test]
+fn sinks_non_finite_on_the_gpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let (hq, hkv, d) = (4, 2, 64);
+    let sinks = [f32::NEG_INFINITY, f32::INFINITY, f32::NAN, 3.0];
+    // (b, sq, sk, mask, rows that see no key: the first `none` of each sequence)
+    let cases = [
+        (1, 300, 200, Mask::Causal, 100),
+        (1, 1, 16384, Mask::None, 0),
+        (2, 1, 300, Mask::None, 0),
+        (1, 4, 2, Mask::Causal, 2),
+        (2, 200, 200, Mask::Causal, 0),
+    ];
+    for (n, (b, sq, sk, mask, none)) in cases.into_iter().enumerate() {
+        let dtype = if n % 2 == 0 { DType::BF16 } else { DType::F16 };
+        let (q, k, v) = qkv(b, sq, sk, hq, hkv, d, dtype, false, &dev)?;
+        let plain = AttnParams {
+            mask,
+            ..Default::default()
+        };
+        let with = AttnParams {
+            sinks: Some(Tensor::new(&sinks, &dev)?),
+            ..plain.clone()
+        };
+        let what = format!(
+            "non-finite sinks {dtype:?} b{b} sq{sq} sk{sk} {}",
+            mask_name(mask)
+        );
+        let cpu = |t: Tensor| -> Result<Vec<f32>> {
+            t.to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_device(&Device::Cpu)?
+                .to_vec1()
+        };
+        let (o, lse) = attention_with_lse(&q, &k, &v, &plain)?;
+        let (o_s, lse_s) = attention_with_lse(&q, &k, &v, &with)?;
+        let (o, lse, o_s, lse_s) = (cpu(o)?, cpu(lse)?, cpu(o_s)?, cpu(lse_s)?);
+        let tol = rounding_floor(dtype, 1.0) as f32;
+        for bi in 0..b {
+            for i in 0..sq {
+                let sees = i >= none;
+                for (h, &sink) in sinks.iter().enumerate() {
+                    let li = (bi * hq + h) * sq + i;
+                    let o0 = ((bi * sq + i) * hq + h) * d;
+                    let (row, row_s) = (&o[o0..o0 + d], &o_s[o0..o0 + d]);
+                    let (l, ls) = (lse[li], lse_s[li]);
+                    let at = format!("{what}: batch {bi} row {i} head {h} (sink {sink})");
+                    match h {
+                        0 => {
+                            assert_eq!(l.to_bits(), ls.to_bits(), "{at}: LSE");
+                            for (a, c) in row.iter().zip(row_s) {
+                                assert_eq!(a.to_bits(), c.to_bits(), "{at}: O");
+                            }
+                        }
+                        1 => {
+                            assert_eq!(ls, f32::INFINITY, "{at}: LSE");
+                            assert!(row_s.iter().all(|&x| x == 0.0), "{at}: O {row_s:?}");
+                        }
+                        2 => {
+                            assert!(ls.is_nan(), "{at}: LSE {ls}");
+                            if sees {
+                                assert!(row_s.iter().all(|x| x.is_nan()), "{at}: O {row_s:?}");
+                            } else {
+                                assert!(row_s.iter().all(|&x| x == 0.0), "{at}: O {row_s:?}");
+                            }
+                        }
+                        _ => {
+                            let m = l.max(sink);
+                            let want = m + ((l - m).exp() + (sink - m).exp()).ln();
+                            assert!(
+                                (ls - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                "{at}: LSE {ls}, want {want}"
+                            );
+                            let f = 1.0 / (1.0 + (sink - l).exp());
+                            for (a, c) in row.iter().zip(row_s) {
+                                assert!(
+                                    (a * f - c).abs() <= 2.0 * tol * (1.0 + a.abs()),
+                                    "{at}: O {c}, want {a} * {f}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        println!("[OK] {what}");
+    }
+    Ok(())
+}

@@ -1576,3 +1576,83 @@ fn paged_append_on_the_gpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// Sinks (`AttnParams::sinks`) on packed batches: sequences without keys (rows: zeros, LSE the
+/// sink) or without rows, 1 to 4224 keys, seq_q > seq_k under causal, a batch of decode rows
+/// (max_seqlen_q <= 16: the split-KV kernels, their splits balanced over the lengths); every
+/// mask, GQA 64/8 (gpt-oss) and others, softcap and both ALiBi shapes rotating; against the CPU
+/// path per sequence (with the sinks), outputs poisoned first.
+#[test]
+fn sinks_varlen_on_the_gpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let batches: [&[(usize, usize)]; 3] = [
+        &[(3, 0), (0, 5), (1, 1), (113, 113), (17, 600)],
+        &[(1023, 1023), (1, 4224), (500, 100)],
+        &[(1, 2000), (3, 3000), (16, 900), (1, 17), (2, 0)],
+    ];
+    let heads = [(64, 8, 64), (8, 2, 128), (4, 4, 256)];
+    let mut n = 0;
+    for lens in batches {
+        for mask in MASKS {
+            let (hq, hkv, d) = heads[n % 3];
+            let dtype = if n % 2 == 0 { DType::BF16 } else { DType::F16 };
+            let vl = Varlen::random(lens, hq, hkv, d, dtype, n % 2 == 1, &dev)?;
+            let p = AttnParams {
+                sinks: Some(test_sinks(hq, &dev)?),
+                ..options(&dev, n, mask, lens.len(), hq)?
+            };
+            check_varlen("sinks varlen", &vl, &p, n % 3 == 0)?;
+            n += 1;
+        }
+    }
+    println!("sinks_varlen_on_the_gpu: {n} cases passed");
+    Ok(())
+}
+
+/// Sinks over paged caches: decode (split-KV through the page table, one query row per
+/// sequence, dense and packed q) and prefill / chunked prefill (sm90: through the page table
+/// for pages of 64, gathered for pages of 16), shuffled pages with NaN in unused pool rows;
+/// every mask, GQA, both dtypes; against the CPU path per sequence, outputs poisoned first.
+#[test]
+fn sinks_paged_on_the_gpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let mut rng = Rng::from_clock("sinks_paged_on_the_gpu");
+    let decode: Vec<(usize, usize)> = vec![(1, 0), (1, 1), (1, 4224), (1, 9000), (1, 300), (1, 17)];
+    let chunked: Vec<(usize, usize)> = vec![(113, 1023), (0, 64), (300, 2000), (1, 1), (64, 64)];
+    let heads = [(64, 8, 64), (8, 1, 128), (8, 8, 256)];
+    let mut n = 0;
+    for (name, lens, dense_q) in [
+        ("sinks paged-decode", &decode, true),
+        ("sinks paged-chunked", &chunked, false),
+    ] {
+        for page_size in [16usize, 64] {
+            for mask in [MASKS[n % 4], MASKS[(n + 2) % 4]] {
+                let (hq, hkv, d) = heads[n % 3];
+                let dtype = if n % 2 == 0 { DType::BF16 } else { DType::F16 };
+                let p = AttnParams {
+                    sinks: Some(test_sinks(hq, &dev)?),
+                    ..options(&dev, n, mask, lens.len(), hq)?
+                };
+                let vl = Varlen::random(lens, hq, hkv, d, dtype, false, &dev)?;
+                let pg = Paged::from_varlen(&vl, page_size, 0, &mut rng)?;
+                let tag = format!("{name} page {page_size}");
+                let plain = |p: &AttnParams| pg.run_varlen_o(&vl, p);
+                check_packed(&tag, &vl, &p, &|p| pg.run_varlen(&vl, p), Some(&plain))?;
+                if dense_q {
+                    check_packed(
+                        &format!("{tag} dense q"),
+                        &vl,
+                        &p,
+                        &|p| pg.run_dense(&vl, p),
+                        None,
+                    )?;
+                }
+                n += 1;
+            }
+        }
+    }
+    println!("sinks_paged_on_the_gpu: {n} cases passed");
+    Ok(())
+}

@@ -135,6 +135,7 @@ fn options(which: usize, mask: Mask, n: usize, hq: usize) -> Result<AttnParams> 
             softcap: Some(3.0),
             softmax_scale: Some(0.3),
             alibi_slopes: Some(slopes(&[n, hq])?),
+            ..Default::default()
         },
     })
 }

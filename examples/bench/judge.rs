@@ -105,7 +105,12 @@ pub fn check_dense(
         t.narrow(0, 0, 1)?.to_device(&cpu)?.to_dtype(DType::F32)
     };
     let q1 = f32_cpu(&q.narrow(1, sq - r, r)?)?;
-    let want = flashcore::attention(&q1, &f32_cpu(k)?, &f32_cpu(v)?, p)?;
+    // the reference runs on the CPU: the sinks (on the run's device) go there too
+    let p = AttnParams {
+        sinks: p.sinks.as_ref().map(|s| s.to_device(&cpu)).transpose()?,
+        ..p.clone()
+    };
+    let want = flashcore::attention(&q1, &f32_cpu(k)?, &f32_cpu(v)?, &p)?;
     let got = out.narrow(0, 0, 1)?.narrow(1, sq - r, r)?;
     judge(&got, &want, q.dtype(), perturb)
 }

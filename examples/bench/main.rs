@@ -14,6 +14,9 @@
 //!   ... --shape 0,32,8,1,0,128 --paged 64 --kv-lens mixed:256:128:2560 --backend paged
 //!       (a serving engine's decode batch: each sequence reads its own number of cached keys;
 //!        GB/s count only those)
+//!   ... --grid sinks --verify
+//!       (gpt-oss attention: d64, 64/8 heads, learnable sinks, causal and a 128-key causal
+//!        window; `--shape ... --sinks --window 127` runs one such problem)
 //!   ... --grid fa3 --backend all --json > fa3.jsonl
 //!   ... --plot-from fa3.jsonl,sdpa.jsonl,fa4.jsonl --plot docs/charts/fa3
 //!       (SVG charts, no device needed: TFLOPS per shape with one series per backend, and
@@ -48,7 +51,15 @@ struct Args {
     /// Causal mask (bottom-right aligned) for --shape.
     #[arg(long)]
     causal: bool,
-    /// A named grid: fa3, seeds, llama (comma-separated for several).
+    /// For --shape: a causal sliding window, each query seeing itself and this many keys before
+    /// it (as the sinks grid's windowed rows; implies causal).
+    #[arg(long)]
+    window: Option<usize>,
+    /// For --shape: learnable attention sinks (random f32 per query head), as the sinks grid.
+    #[arg(long)]
+    sinks: bool,
+    /// A named grid: fa3, seeds, llama, sinks (comma-separated for several). sinks: gpt-oss's
+    /// attention (d64, 64/8 heads, learnable sinks; causal, and a causal window of 128 keys).
     #[arg(long)]
     grid: Option<String>,
     /// Force a kernel family: sm80 or sm90.
@@ -217,6 +228,11 @@ struct Problem {
     causal: bool,
     /// A packed batch of these lengths (b = count, sq = sk = the longest).
     lens: Option<Vec<usize>>,
+    /// A causal sliding window: each query sees itself and this many keys before it
+    /// (`Mask::Window { left: Some(w), right: Some(0) }`; gpt-oss's windowed layers: 127).
+    window: Option<usize>,
+    /// Attention sinks (`AttnParams::sinks`), random f32 per query head.
+    sinks: bool,
 }
 
 impl Problem {
@@ -227,9 +243,23 @@ impl Problem {
                 sq: l,
                 sk: l,
                 lens: None,
+                window: None,
+                sinks: false,
                 ..self.clone()
             };
             return lens.iter().map(|&l| one(l).flops()).sum();
+        }
+        if let Some(w) = self.window {
+            // keys each row sees: [i + sk - sq - w, i + sk - sq] within [0, sk)
+            let seen: usize = (0..self.sq)
+                .map(|i| {
+                    let diag = (i + self.sk) as i64 - self.sq as i64;
+                    let lo = (diag - w as i64).max(0);
+                    let hi = (diag + 1).min(self.sk as i64);
+                    (hi - lo).max(0) as usize
+                })
+                .sum();
+            return 4.0 * (self.b * self.hq) as f64 * seen as f64 * self.d as f64;
         }
         let avg_sk = if self.causal {
             ((self.sk.saturating_sub(self.sq)) + self.sk) as f64 / 2.0
@@ -265,6 +295,8 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                             d,
                             causal,
                             lens: None,
+                            window: None,
+                            sinks: false,
                         });
                     }
                 }
@@ -280,6 +312,8 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                 d: 64,
                 causal: false,
                 lens: None,
+                window: None,
+                sinks: false,
             });
             v.push(Problem {
                 b: 1,
@@ -290,6 +324,8 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                 d: 64,
                 causal: false,
                 lens: None,
+                window: None,
+                sinks: false,
             });
         }
         "llama" => {
@@ -302,6 +338,8 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                 d: 128,
                 causal: true,
                 lens: None,
+                window: None,
+                sinks: false,
             });
             for b in [1, 8, 64] {
                 for sk in [4096, 8192, 32768] {
@@ -314,11 +352,33 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                         d: 128,
                         causal: false,
                         lens: None,
+                        window: None,
+                        sinks: false,
                     });
                 }
             }
         }
-        _ => bail!("unknown grid {name:?}: expected fa3, seeds or llama"),
+        "sinks" => {
+            // gpt-oss attention: d64, 64 query / 8 KV heads, learnable sinks, layers alternating
+            // full causal attention and a 128-key causal window; 32k tokens per call
+            for window in [None, Some(127)] {
+                for s in [4096, 8192, 16384, 32768] {
+                    v.push(Problem {
+                        b: 32768 / s,
+                        hq: 64,
+                        hkv: 8,
+                        sq: s,
+                        sk: s,
+                        d: 64,
+                        causal: true,
+                        lens: None,
+                        window,
+                        sinks: true,
+                    });
+                }
+            }
+        }
+        _ => bail!("unknown grid {name:?}: expected fa3, seeds, llama or sinks"),
     }
     Ok(v)
 }
@@ -567,6 +627,8 @@ fn main() -> Result<()> {
             d,
             causal: args.causal,
             lens: Some(lens),
+            window: None,
+            sinks: false,
         }]
     } else if let Some(s) = &args.shape {
         let n: Vec<usize> = s
@@ -587,8 +649,10 @@ fn main() -> Result<()> {
             sq,
             sk,
             d,
-            causal: args.causal,
+            causal: args.causal || args.window.is_some(),
             lens: None,
+            window: args.window,
+            sinks: args.sinks,
         }]
     } else if let Some(g) = &args.grid {
         g.split(',').map(grid).collect::<Result<Vec<_>>>()?.concat()
@@ -602,6 +666,8 @@ fn main() -> Result<()> {
             d: 64,
             causal: true,
             lens: None,
+            window: None,
+            sinks: false,
         }]
     } else {
         vec![Problem {
@@ -613,6 +679,8 @@ fn main() -> Result<()> {
             d: 64,
             causal: false,
             lens: None,
+            window: None,
+            sinks: false,
         }]
     };
     if let Some(d) = args.head_dim {
@@ -667,8 +735,20 @@ fn main() -> Result<()> {
             ));
         }
         let params = AttnParams {
-            mask: if p.causal { Mask::Causal } else { Mask::None },
+            mask: match (p.window, p.causal) {
+                (Some(w), _) => Mask::Window {
+                    left: Some(w),
+                    right: Some(0),
+                },
+                (None, true) => Mask::Causal,
+                (None, false) => Mask::None,
+            },
             softcap: args.softcap,
+            // gpt-oss's sinks are learned per head; random values around typical row LSEs
+            sinks: p
+                .sinks
+                .then(|| Tensor::rand(-1f32, 4., p.hq, &dev))
+                .transpose()?,
             ..Default::default()
         };
         let pages = match args.paged {
@@ -747,6 +827,7 @@ fn main() -> Result<()> {
                 "backend": backend, "arch": arch, "dtype": args.dtype,
                 "b": p.b, "hq": p.hq, "hkv": p.hkv, "sq": p.sq, "sk": p.sk, "d": p.d,
                 "causal": p.causal, "softcap": args.softcap.unwrap_or(0.0),
+                "window": p.window, "sinks": p.sinks,
                 "us": json_num(us), "tflops": json_num(tflops), "gbps": json_num(gbps),
                 "timing": args.timing, "status": status,
             });
@@ -772,8 +853,10 @@ fn main() -> Result<()> {
                 };
                 let e = verdict_text(err);
                 println!(
-                    "[{status}] {backend:<9} {arch:<6} {} b{} h{}/{} s{}/{} d{}{}{}{} : {us:9.1} us {perf}{e}",
+                    "[{status}] {backend:<9} {arch:<6} {} b{} h{}/{} s{}/{} d{}{}{}{}{}{} : {us:9.1} us {perf}{e}",
                     args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d, if p.causal { " causal" } else { "" },
+                    p.window.map_or(String::new(), |w| format!(" window {w}")),
+                    if p.sinks { " sinks" } else { "" },
                     args.softcap.map_or(String::new(), |c| format!(" softcap {c}")),
                     match (args.paged, backend) { (Some(ps), "paged") => format!(" page {ps} {}", args.page_order), _ => String::new() }
                 );

@@ -28,6 +28,12 @@ pub struct Row {
     /// A packed variable-length batch (b sequences).
     #[serde(default)]
     pub varlen: Option<bool>,
+    /// A causal sliding window's left bound (the `sinks` grid's windowed layers).
+    #[serde(default)]
+    pub window: Option<usize>,
+    /// Learnable sinks were on (the `sinks` grid).
+    #[serde(default)]
+    pub sinks: Option<bool>,
 }
 
 impl Row {
@@ -70,13 +76,26 @@ impl Row {
         if self.varlen != Some(true) && self.b * self.sq != 16384 {
             s += &format!(" b{}", self.b);
         }
+        if let Some(w) = self.window {
+            s += &format!(" w{w}");
+        }
+        if self.sinks == Some(true) {
+            s += " sinks";
+        }
         s
     }
 
-    fn shape_key(&self) -> (usize, usize, usize, usize, usize, usize, bool, bool) {
+    #[allow(clippy::type_complexity)]
+    fn shape_key(
+        &self,
+    ) -> (
+        (usize, usize, usize, usize, usize, usize),
+        (bool, bool, Option<usize>, bool),
+    ) {
         let (b, sq, sk) = (self.b, self.sq, self.sk);
         let v = self.varlen == Some(true);
-        (self.d, self.hq, self.hkv, b, sq, sk, self.causal, v)
+        let extra = (self.causal, v, self.window, self.sinks == Some(true));
+        ((self.d, self.hq, self.hkv, b, sq, sk), extra)
     }
 }
 

@@ -18,6 +18,11 @@ struct FcParams {
     // ALiBi slopes f32, (hq,) or (b, hq) (alibi_batch_stride 0 or hq), or null. Bias added to
     // row i, key j of sequence bi, head h: -slopes[bi * alibi_batch_stride + h] * |j - (i + sk - sq)|.
     const float* alibi_slopes;
+    // Attention sinks f32 (hq,), or null: one more natural-log logit per query head in every row's
+    // softmax, without a value. Only the row's normaliser and LSE change, so the kernels fold it
+    // in where a row is finished (fc::finalize_sink, common/softmax.cuh; the split-KV decode
+    // in its combine, or in the split kernel when there is one split). -inf is exactly no sink.
+    const float* sinks;
     // Split-KV scratch (decode): partial O (num_splits, b, hq, sq, d) f32 and LSE (num_splits, b, hq, sq).
     float* o_partial;
     float* lse_partial;

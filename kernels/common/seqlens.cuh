@@ -80,6 +80,11 @@ __device__ __forceinline__ float* lse_ptr(const FcParams& p, int bi, int h, int 
     return p.lse + (int64_t)bi * p.lse_batch_stride + (int64_t)h * p.lse_head_stride + q0;
 }
 
+// The sink logit of query head h (natural log), or -inf (no sink) without sinks.
+__device__ __forceinline__ float sink_of(const FcParams& p, int h) {
+    return p.sinks != nullptr ? __ldg(p.sinks + h) : -__int_as_float(0x7f800000);
+}
+
 // ALiBi slope of (sequence bi, head h) divided by the kept scores' unit (scale, or softcap), so
 // the kernels subtract slope_u * |j - (i + sk - sq)| from raw scores; 0 without ALiBi.
 // A finite slope saturates at the largest finite float in those units: distance 0 then subtracts

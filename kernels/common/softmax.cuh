@@ -90,6 +90,35 @@ __device__ __forceinline__ float finalize_row(float m, float l, float scale, flo
     return empty ? 0.f : 1.f / l;
 }
 
+// A finished row with a sink (AttnParams::sinks: one more logit, natural-log units, with no
+// value). mn: the row's reference max in natural-log units (any finite value while l > 0), l: the
+// row's sum of e^(s - mn). Writes the natural-log LSE including the sink and returns the factor
+// for the row's unnormalised O: e^(mn - mt) / (l e^(mn - mt) + e^(sink - mt)), mt = max(mn, sink)
+// (so neither exponent is positive). The term of whichever is the max is exactly 1: a +inf sink
+// gives O = 0 and LSE +inf, a NaN sink NaN. A row with no weight (l = 0: it saw no key, or only
+// -inf scores) has O = 0 and LSE = the sink; l NaN (a NaN score) stays NaN. Callers take
+// finalize_row for a sink of -inf instead (unswitched: fc::Flag), so that no sink is bit for bit
+// the kernel without sinks.
+__device__ __forceinline__ float finalize_sink(float mn, float l, float sink, float& lse) {
+    if (!(l > 0.f)) {
+        lse = sink + l;  // l is 0 or NaN
+        return 0.f;
+    }
+    const float mt = fmaxf(mn, sink);  // a NaN sink is dropped here and caught by `b`
+    const float a = mn >= mt ? 1.f : __expf(mn - mt);
+    const float b = sink >= mt ? 1.f : __expf(sink - mt);
+    const float lt = fmaf(l, a, b);
+    lse = mt + __logf(lt);
+    return a / lt;
+}
+
+// A compile-time flag for code that a runtime check unswitches (`if (x) f(Flag<true>{}); else
+// f(Flag<false>{});`): each branch compiled on its own, no join inside an unrolled loop.
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
+
 // Bottom-right aligned band of visible keys for query row i: keys j with lo <= j < hi.
 // MASK_ID: 0 none, 1 causal, 2 local window with runtime bounds (negative = unbounded).
 template <int MASK_ID>

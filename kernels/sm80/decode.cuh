@@ -73,7 +73,9 @@
 //   splits without a window cut the table's key range p.sk. Sequences through fc::seq_range (dense or varlen; the grid and the
 //   partial layout use p.sq = max_seqlen_q, row blocks past a shorter sequence exit and the combine
 //   skips its rows).
-//   Empty rows (no visible key, e.g. causal sq > sk): O = 0, LSE = -inf.
+//   Empty rows (no visible key, e.g. causal sq > sk): O = 0, LSE = -inf (the head's sink).
+//   p.sinks (optional): the head's sink logit joins each row's normaliser and LSE once: in the
+//   split kernel's epilogue when num_splits == 1, else in the combine (fc::finalize_sink).
 //
 // num_splits heuristic: fc_decode_num_splits() at the bottom of this file (host, pure).
 // ----------------------------------------------------------------------------------------------
@@ -746,10 +748,21 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         }
         // L = 0: no visible key (the combine skips this split); L NaN (a NaN score or slope):
         // NaN, which the combine carries into the row instead of skipping the split.
-        const float lse = L > 0.f ? Ms * scale + logf(L) : (L == 0.f ? -INFINITY : L);
+        float lse = L > 0.f ? Ms * scale + logf(L) : (L == 0.f ? -INFINITY : L);
         const int r = r0 + rl;
         const int hl = r / sq, i = r - hl * sq;
         const int h = kvh * p.h_ratio + hl;
+        // One split writes the final row: the head's sink (if any) joins its normaliser here, as
+        // a factor on the row normalised without it (held through the loop above, the sink
+        // spilled the d256 windowed kernel); split grids leave it to the combine (once per row).
+        if (nsplit == 1 && p.sinks != nullptr) {
+            const float sink = fc::sink_of(p, h);
+            if (sink != -INFINITY) {
+                const float f = fc::finalize_sink(Ms * scale, L, sink, lse) * L;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] *= f;
+            }
+        }
         if (nsplit == 1) {
             if (ch >= dch) continue;  // padded columns (p.d < HEAD_DIM)
             T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
@@ -881,12 +894,21 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
             const float4 v = s_acc[g][tid];
             o.x = fmaf(f, v.x, o.x); o.y = fmaf(f, v.y, o.y); o.z = fmaf(f, v.z, o.z); o.w = fmaf(f, v.w, o.w);
         }
-        const float inv = L > 0.f ? 1.f / L : 0.f;
+        // the head's sink (if any) joins the merged row's normaliser, once per row
+        const float sink = fc::sink_of(p, h);
+        float lse;
+        float inv;
+        if (sink == -INFINITY) {
+            inv = L > 0.f ? 1.f / L : 0.f;
+            lse = L > 0.f ? Ms + logf(L) : -INFINITY;
+        } else {
+            inv = fc::finalize_sink(Ms, L, sink, lse);
+        }
         T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
                 (int64_t)h * p.o_head_stride + tid * 4;
         if (tid * 4 < p.d)
             *reinterpret_cast<uint2*>(od) = make_uint2(Ops<T>::pack(o.x * inv, o.y * inv), Ops<T>::pack(o.z * inv, o.w * inv));
-        if (tid == 0) fc::lse_ptr(p, bb, h, sr.q0)[i] = L > 0.f ? Ms + logf(L) : -INFINITY;
+        if (tid == 0) fc::lse_ptr(p, bb, h, sr.q0)[i] = lse;
     }
 }
 

@@ -33,7 +33,8 @@
 // MASK_ID: 0 none, 1 causal (bottom-right), 2 local window (runtime p.window_left/right,
 // negative = unbounded; bottom-right aligned like causal).
 // Output: O (b, sq, hq, d) in T via p.o strides, LSE (b, hq, sq) f32 natural log; rows that see
-// no key get O = 0 and LSE = -inf. Every element of rows < sq is written exactly once.
+// no key get O = 0 and LSE = -inf (the head's sink with p.sinks). Every element of rows < sq is
+// written exactly once. p.sinks changes only the epilogue (fc::finalize_sink).
 #pragma once
 #include <stdint.h>
 #include <cuda_fp16.h>
@@ -553,6 +554,13 @@ struct FwdTile {
         ctaid_remat(m_block, h, bz);
         return fc::alibi_slope_units(p, bz, h);
     }
+    // The head's sink (fc::sink_of; -inf without sinks) the same way.
+    __device__ __forceinline__ static float sink_remat(const FcParams& p) {
+        if (p.sinks == nullptr) return FC_NEG_INF;
+        int m_block, h, bz;
+        ctaid_remat(m_block, h, bz);
+        return fc::sink_of(p, h);
+    }
     // og and lseg the same way (for an epilogue after a loop with no registers to spare).
     __device__ __forceinline__ static void out_remat(const FcParams& p, T*& og, float*& lseg) {
         int m_block, h, bz;
@@ -562,7 +570,7 @@ struct FwdTile {
              (int64_t)m0 * p.o_row_stride;
         lseg = fc::lse_ptr(p, bz, h, m0);
     }
-    // No row of this block sees any key: O = 0, LSE = -inf.
+    // No row of this block sees any key: O = 0, LSE = -inf (the head's sink with sinks).
     template <int D, int NTH>
     __device__ __forceinline__ void write_empty(const FcParams& p, int tid) const {
         const int CH = GEN ? p.d / 8 : D / 8;
@@ -571,7 +579,8 @@ struct FwdTile {
             *reinterpret_cast<uint4*>(og + (int64_t)r * p.o_row_stride + ch * 8) =
                 make_uint4(0, 0, 0, 0);
         }
-        for (int r = tid; r < rows_valid; r += NTH) lseg[r] = FC_NEG_INF;
+        const float sink = fc::sink_of(p, h);
+        for (int r = tid; r < rows_valid; r += NTH) lseg[r] = sink;
     }
 };
 
@@ -784,17 +793,30 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
     float* lse_out = lseg;
     if constexpr (LEAN) FwdTile<T, MASK, BM, BN, GEN>::out_remat(p, o_out, lse_out);
     const float scale = (OPT & FWD_GEN) != 0 ? fc::score_unit(p.scale, p.softcap) : p.scale;
+    // The head's sink joins the normaliser here; the check is unswitched so that the plain
+    // epilogue compiles as it did without sinks (one join per row pushed d256 into spills).
+    auto finish = [&](auto with_sink) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const float l = fc::quad_sum(row_l[mt][hf]);
-            float lse;
-            const float inv = fc::finalize_row(row_m[mt][hf], l, scale, lse);
-            scale_o_half(o, mt, hf, inv);
-            const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
-            if ((lane & 3) == 0 && r < rows_valid) lse_out[r] = lse;
-        }
+            for (int hf = 0; hf < 2; ++hf) {
+                const float l = fc::quad_sum(row_l[mt][hf]);
+                float lse;
+                // (the sink is read again per row: holding it beside O spilled at d256)
+                const float inv =
+                    decltype(with_sink)::value
+                        ? fc::finalize_sink(row_m[mt][hf] * scale, l,
+                                            FwdTile<T, MASK, BM, BN, GEN>::sink_remat(p), lse)
+                        : fc::finalize_row(row_m[mt][hf], l, scale, lse);
+                scale_o_half(o, mt, hf, inv);
+                const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
+                if ((lane & 3) == 0 && r < rows_valid) lse_out[r] = lse;
+            }
+    };
+    if (FwdTile<T, MASK, BM, BN, GEN>::sink_remat(p) == FC_NEG_INF)
+        finish(fc::Flag<false>{});
+    else
+        finish(fc::Flag<true>{});
     __syncwarp();
     store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, 0, o_out, p.o_row_stride, rows_valid,
                   GEN ? p.d / 8 : D / 8);
@@ -997,18 +1019,29 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
     float* lseg;
     t.out_remat(p, og, lseg);
     const float scale = CAP ? fc::score_unit(p.scale, p.softcap) : p.scale;
+    // the head's sink, unswitched and read per row as in fwd_body
+    using FT = FwdTile<T, MASK, BM, BN, GEN>;
+    auto finish = [&](auto with_sink) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const float l = fc::ld_shared_f32(red_own + SUM_OFF + (mt * 16 + hf * 8) * 4) +
-                            fc::ld_shared_f32(red_mate + SUM_OFF + (mt * 16 + hf * 8) * 4);
-            float lse;
-            const float inv = fc::finalize_row(row_m[mt][hf], l, scale, lse);
-            scale_o_half(o, mt, hf, inv);
-            const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
-            if (half == 0 && (lane & 3) == 0 && r < t.rows_valid) lseg[r] = lse;
-        }
+            for (int hf = 0; hf < 2; ++hf) {
+                const float l = fc::ld_shared_f32(red_own + SUM_OFF + (mt * 16 + hf * 8) * 4) +
+                                fc::ld_shared_f32(red_mate + SUM_OFF + (mt * 16 + hf * 8) * 4);
+                float lse;
+                const float inv =
+                    decltype(with_sink)::value
+                        ? fc::finalize_sink(row_m[mt][hf] * scale, l, FT::sink_remat(p), lse)
+                        : fc::finalize_row(row_m[mt][hf], l, scale, lse);
+                scale_o_half(o, mt, hf, inv);
+                const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
+                if (half == 0 && (lane & 3) == 0 && r < t.rows_valid) lseg[r] = lse;
+            }
+    };
+    if (FT::sink_remat(p) == FC_NEG_INF)
+        finish(fc::Flag<false>{});
+    else
+        finish(fc::Flag<true>{});
     // This warp's O columns go through the pair's own Q rows (only the pair read them, before the
     // last tile's second __syncthreads).
     store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, half * ND, og, p.o_row_stride, t.rows_valid,

@@ -16,7 +16,8 @@
 // (swizzled) in a separate O buffer when it fits in smem (then Q of the next tile loads right
 // after the last Q K^T), else in the warpgroup's own slice of the Q buffer; one thread per
 // warpgroup stores the slice with a TMA bulk-tensor store (rows >= sq are outside the map); LSE
-// (natural log) f32; empty rows O = 0, LSE = -inf (16-byte stores).
+// (natural log) f32; empty rows O = 0, LSE = -inf (16-byte stores), or the head's sink with p.sinks
+// (which only the epilogue reads: fc::finalize_sink).
 //
 // ---------------------------------------------------------------------------------------------
 // LAUNCH CONTRACT (host side; src/cuda/tma.rs `encode` builds the tensor maps)
@@ -629,10 +630,12 @@ struct FwdSm90 {
                         (int64_t)q0_of() * p.o_row_stride;
                 float* lse_g = lse_row0();
                 const int sqv = sq_of();
-                // every row of this tile sees no key: O = 0, LSE = -inf (no smem use)
+                // every row of this tile sees no key: O = 0, LSE = -inf or the head's sink (no
+                // smem use)
                 if (tq == 0) {
-                    if (row0 < sqv) lse_g[row0] = -INFINITY;
-                    if (row0 + 8 < sqv) lse_g[row0 + 8] = -INFINITY;
+                    const float sink = fc::sink_of(p, h);
+                    if (row0 < sqv) lse_g[row0] = sink;
+                    if (row0 + 8 < sqv) lse_g[row0 + 8] = sink;
                 }
 #pragma unroll
                 for (int it = 0; it < 64 * CPR / 128; ++it) {
@@ -1120,14 +1123,26 @@ struct FwdSm90 {
             // ================= epilogue =================
             float* lse_g = lse_row0();
             float inv[2], lse[2];
+            // the head's sink joins the normaliser here (once per row, after a key split's merge)
+            auto sink_of_tile = [&]() {
+                int h, bi;
+                head_batch(h, bi);
+                return fc::sink_of(p, h);
+            };
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float l = l_r[r];
                 l += __shfl_xor_sync(0xffffffffu, l, 1);
                 l += __shfl_xor_sync(0xffffffffu, l, 2);
-                const bool empty = !(l > 0.f);
-                inv[r] = empty ? 0.f : 1.f / l;
-                lse[r] = empty ? -INFINITY : m_r[r] * (CAP ? fc::score_unit(p.scale, p.softcap) : p.scale) + logf(l);
+                const float unit = CAP ? fc::score_unit(p.scale, p.softcap) : p.scale;
+                const float sink = p.sinks != nullptr ? sink_of_tile() : -INFINITY;
+                if (sink == -INFINITY) {
+                    const bool empty = !(l > 0.f);
+                    inv[r] = empty ? 0.f : 1.f / l;
+                    lse[r] = empty ? -INFINITY : m_r[r] * unit + logf(l);
+                } else {
+                    inv[r] = fc::finalize_sink(m_r[r] * unit, l, sink, lse[r]);
+                }
             }
             const int sqv = sq_of();
             if (tq == 0) {

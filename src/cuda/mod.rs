@@ -1024,6 +1024,10 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         None => 0,
         Some(t) => side_ptr::<f32>(t, "alibi_slopes", &stream)?,
     };
+    let sinks_ptr = match &extra.sinks {
+        None => 0,
+        Some(t) => side_ptr::<f32>(t, "sinks", &stream)?,
+    };
     // Where the sequences live: prefix sums of packed q (and of packed k when the keys are rows),
     // keys in use per sequence, the page table.
     let side = |t: &Option<Tensor>, name: &str, want: bool| -> Result<u64> {
@@ -1068,6 +1072,7 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         o: op,
         lse: lp,
         alibi_slopes: slopes_ptr,
+        sinks: sinks_ptr,
         o_partial: 0,
         lse_partial: 0,
         q_batch_stride: qb,
@@ -1459,6 +1464,9 @@ fn sm80_fwd(
             if prm.alibi_slopes != 0 {
                 c.alibi_slopes =
                     prm.alibi_slopes + 4 * (b0i * prm.alibi_batch_stride as i64 + h0i) as u64;
+            }
+            if prm.sinks != 0 {
+                c.sinks = prm.sinks + 4 * h0 as u64;
             }
             // the batch slice's entries of the per-sequence tables (0 = absent stays 0)
             let at = |ptr: u64| if ptr == 0 { 0 } else { ptr + 4 * b0 as u64 };

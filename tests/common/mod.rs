@@ -126,10 +126,26 @@ pub fn reference_f64(
         s = s.broadcast_sub(&sl.broadcast_mul(&dist)?)?;
     }
     let s = s.broadcast_add(&Tensor::from_vec(bias, (sq, sk), &cpu)?)?;
-    let m = s.max_keepdim(D::Minus1)?;
+    // Sinks: a per-head logit beside every row's scores, in the max and the sum, without a value.
+    let sink = p
+        .sinks
+        .as_ref()
+        .map(|t| {
+            t.to_device(&cpu)?
+                .to_dtype(DType::F64)?
+                .reshape((1, hq, 1, 1))
+        })
+        .transpose()?;
+    let mut m = s.max_keepdim(D::Minus1)?;
+    if let Some(sn) = &sink {
+        m = m.broadcast_maximum(sn)?;
+    }
     let m_safe = m.clamp(-1e300, f64::INFINITY)?; // -inf rows: avoid (-inf) - (-inf)
     let e = s.broadcast_sub(&m_safe)?.exp()?;
-    let l = e.sum_keepdim(D::Minus1)?;
+    let mut l = e.sum_keepdim(D::Minus1)?;
+    if let Some(sn) = &sink {
+        l = (l + sn.broadcast_sub(&m_safe)?.exp()?)?;
+    }
     let l_safe = l.clamp(1e-300, f64::INFINITY)?;
     let o = e
         .broadcast_div(&l_safe)?
@@ -214,7 +230,23 @@ pub fn params_of(p: &AttnParams, i: usize) -> Result<AttnParams> {
     Ok(out)
 }
 
-/// The same options with the ALiBi slopes (if any) on `dev`.
+/// Sinks for the tests, f32 `(hq,)` on `dev`: spread over [-2, 12] (below and above the LSEs of
+/// random rows over 1 to 64k keys, so that the sink takes from nothing to most of a row's
+/// weight), head 2 `-inf` (no sink) when there are more than 2 heads.
+pub fn test_sinks(hq: usize, dev: &Device) -> Result<Tensor> {
+    let v: Vec<f32> = (0..hq)
+        .map(|h| {
+            if h == 2 {
+                f32::NEG_INFINITY
+            } else {
+                -2.0 + 14.0 * ((h * 5 + 1) % 13) as f32 / 12.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(v, hq, dev)
+}
+
+/// The same options with the ALiBi slopes and sinks (if any) on `dev`.
 pub fn params_on(p: &AttnParams, dev: &Device) -> Result<AttnParams> {
     let mut out = p.clone();
     out.alibi_slopes = p
@@ -222,6 +254,7 @@ pub fn params_on(p: &AttnParams, dev: &Device) -> Result<AttnParams> {
         .as_ref()
         .map(|s| s.to_device(dev))
         .transpose()?;
+    out.sinks = p.sinks.as_ref().map(|s| s.to_device(dev)).transpose()?;
     Ok(out)
 }
 
@@ -236,6 +269,9 @@ pub fn opts_name(p: &AttnParams) -> String {
     }
     if let Some(sc) = p.softmax_scale {
         s += &format!(" scale{sc}");
+    }
+    if p.sinks.is_some() {
+        s += " sinks";
     }
     s
 }
@@ -445,8 +481,8 @@ type SeqResult = (Tensor, Option<Tensor>);
 /// Runs the dense function `f` (taking `(1, s, h, d)` q/k/v, returning O `(1, sq, h, d)` and
 /// maybe LSE `(1, h, sq)`) on every sequence of `vl` with that sequence's options and packs the
 /// results like `attention_varlen`: O `(total_q, hq, d)` in `vl`'s dtype and LSE `(hq, total_q)`,
-/// on the CPU. Sequences with seq_k = 0 give zero rows and LSE -inf (no dense call takes them);
-/// those with seq_q = 0 give nothing. With `per_head`, `f` runs once per (sequence, query head)
+/// on the CPU. Sequences with seq_k = 0 give zero rows and LSE -inf, or the sinks (no dense call
+/// takes them); those with seq_q = 0 give nothing. With `per_head`, `f` runs once per (sequence, query head)
 /// on that head and its K/V head, spread over all cores: the fast CPU reference for long
 /// sequences (the CPU kernel parallelises over KV heads only).
 pub fn varlen_by_sequence<F>(
@@ -479,6 +515,9 @@ where
             Some(h) => {
                 if let Some(s) = &pi.alibi_slopes {
                     pi.alibi_slopes = Some(s.narrow(0, h, 1)?);
+                }
+                if let Some(s) = &pi.sinks {
+                    pi.sinks = Some(s.narrow(0, h, 1)?.contiguous()?);
                 }
                 (
                     q.narrow(2, h, 1)?,
@@ -527,7 +566,15 @@ where
         }
         if sk == 0 {
             os.push(Tensor::zeros((sq, hq, d), vl.q.dtype(), &cpu)?);
-            ls.push(Tensor::full(f32::NEG_INFINITY, (hq, sq), &cpu)?);
+            ls.push(match &p.sinks {
+                // keyless rows: LSE = the head's sink
+                Some(sn) => sn
+                    .to_device(&cpu)?
+                    .reshape((hq, 1))?
+                    .broadcast_as((hq, sq))?
+                    .contiguous()?,
+                None => Tensor::full(f32::NEG_INFINITY, (hq, sq), &cpu)?,
+            });
             continue;
         }
         let parts = (0..if per_head { hq } else { 1 })

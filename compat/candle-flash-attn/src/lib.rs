@@ -120,6 +120,7 @@ fn dense(
         mask: window_mask(window_size_left, window_size_right, dense_seqlen_k(k)),
         softcap: softcap_of(softcap),
         alibi_slopes: alibi_slopes.cloned(),
+        ..Default::default()
     };
     flashcore::attention(q, k, v, &params)
 }
@@ -146,6 +147,7 @@ fn varlen(
         mask: window_mask(window_size_left, window_size_right, max_seqlen_k),
         softcap: softcap_of(softcap),
         alibi_slopes: alibi_slopes.cloned(),
+        ..Default::default()
     };
     flashcore::attention_varlen(
         q,
@@ -628,6 +630,7 @@ pub fn flash_attn_varlen_paged_windowed(
         mask: window_mask(window_size_left, window_size_right, max_seqlen_k),
         softcap: softcap_of(softcap),
         alibi_slopes: None,
+        ..Default::default()
     };
     flashcore::attention_paged_varlen(q, k, v, &table, &lens, seqlens_q, max_seqlen_q, &params)
 }
