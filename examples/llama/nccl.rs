@@ -36,6 +36,7 @@ type AllReduceFn = unsafe extern "C" fn(
     sys::CUstream,
 ) -> NcclResult;
 type CommFn = unsafe extern "C" fn(NcclComm) -> NcclResult;
+type GroupFn = unsafe extern "C" fn() -> NcclResult;
 type ErrorStringFn = unsafe extern "C" fn(NcclResult) -> *const c_char;
 
 /// The entry points used, resolved from the loaded library.
@@ -45,6 +46,8 @@ struct Lib {
     all_reduce: AllReduceFn,
     comm_destroy: CommFn,
     comm_abort: CommFn,
+    group_start: GroupFn,
+    group_end: GroupFn,
     error_string: ErrorStringFn,
     path: String,
 }
@@ -163,6 +166,8 @@ impl Lib {
                 all_reduce: std::mem::transmute::<*mut c_void, AllReduceFn>(sym("ncclAllReduce")?),
                 comm_destroy: std::mem::transmute::<*mut c_void, CommFn>(sym("ncclCommDestroy")?),
                 comm_abort: std::mem::transmute::<*mut c_void, CommFn>(sym("ncclCommAbort")?),
+                group_start: std::mem::transmute::<*mut c_void, GroupFn>(sym("ncclGroupStart")?),
+                group_end: std::mem::transmute::<*mut c_void, GroupFn>(sym("ncclGroupEnd")?),
                 error_string: std::mem::transmute::<*mut c_void, ErrorStringFn>(sym(
                     "ncclGetErrorString",
                 )?),
@@ -193,6 +198,47 @@ struct Group {
     comms: Vec<NcclComm>,
     /// Set once `ncclCommAbort` has freed the communicators.
     aborted: std::sync::atomic::AtomicBool,
+    /// `Some` in grouped launch mode: the all-reduces waiting for the last rank to arrive.
+    grouped: Option<(Mutex<Gathered>, std::sync::Condvar)>,
+}
+
+/// How the ranks' all-reduces reach NCCL (`FLASHCORE_TP_LAUNCH`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launch {
+    /// Every rank's thread calls `ncclAllReduce` on its own communicator.
+    Threads,
+    /// Each rank's thread deposits its call; the last to arrive issues all of them between
+    /// `ncclGroupStart` and `ncclGroupEnd` (NCCL's single-thread, several-GPU usage), and the
+    /// others wait for that. The default.
+    Grouped,
+}
+
+impl Launch {
+    pub fn from_env() -> Result<Launch> {
+        match std::env::var("FLASHCORE_TP_LAUNCH").as_deref() {
+            Err(_) | Ok("grouped") => Ok(Launch::Grouped),
+            Ok("threads") => Ok(Launch::Threads),
+            Ok(other) => bail!("FLASHCORE_TP_LAUNCH={other:?}: expected `grouped` or `threads`"),
+        }
+    }
+}
+
+/// One all-reduce call of one rank: buffer, element count, NCCL dtype, stream.
+#[derive(Clone, Copy)]
+struct Call {
+    ptr: usize,
+    count: usize,
+    dtype: c_int,
+    stream: usize,
+}
+
+/// The grouped mode's meeting point: this round's calls, and how the last round went (`None`:
+/// it succeeded).
+#[derive(Default)]
+struct Gathered {
+    calls: Vec<Option<Call>>,
+    round: u64,
+    last: Option<String>,
 }
 
 // SAFETY: a communicator is used by one rank's thread at a time (the `Rank` handle owning its
@@ -201,6 +247,76 @@ unsafe impl Send for Group {}
 unsafe impl Sync for Group {}
 
 impl Group {
+    /// Issues `calls[r]` on communicator `r` for every rank, inside one NCCL group.
+    fn issue_all(&self, calls: &[Option<Call>]) -> Result<()> {
+        // SAFETY: every call addresses a live buffer of its rank's device, deposited by a rank
+        // thread that waits until this returns; each runs on its rank's own communicator.
+        unsafe {
+            self.lib.check((self.lib.group_start)(), "ncclGroupStart")?;
+            for (r, c) in calls.iter().enumerate() {
+                let Some(c) = c else {
+                    bail!("grouped all-reduce: rank {r} did not deposit its call")
+                };
+                let p = c.ptr as *mut c_void;
+                let r = (self.lib.all_reduce)(
+                    p,
+                    p,
+                    c.count,
+                    c.dtype,
+                    NCCL_SUM,
+                    self.comms[r],
+                    c.stream as sys::CUstream,
+                );
+                if r != 0 {
+                    (self.lib.group_end)();
+                    self.lib.check(r, "ncclAllReduce")?;
+                }
+            }
+            self.lib.check((self.lib.group_end)(), "ncclGroupEnd")
+        }
+    }
+
+    /// Rank `rank`'s all-reduce in the current mode.
+    fn all_reduce(&self, rank: usize, call: Call) -> Result<()> {
+        let Some((gathered, cv)) = &self.grouped else {
+            // SAFETY: as in `issue_all`, for this rank's call alone.
+            let r = unsafe {
+                let p = call.ptr as *mut c_void;
+                (self.lib.all_reduce)(
+                    p,
+                    p,
+                    call.count,
+                    call.dtype,
+                    NCCL_SUM,
+                    self.comms[rank],
+                    call.stream as sys::CUstream,
+                )
+            };
+            return self.lib.check(r, "ncclAllReduce");
+        };
+        let poisoned = |_| anyhow::anyhow!("grouped all-reduce: a rank panicked");
+        let mut g = gathered.lock().map_err(poisoned)?;
+        if g.calls.len() != self.comms.len() {
+            g.calls = vec![None; self.comms.len()];
+        }
+        g.calls[rank] = Some(call);
+        let round = g.round;
+        if g.calls.iter().all(Option::is_some) {
+            let calls = std::mem::replace(&mut g.calls, vec![None; self.comms.len()]);
+            g.last = self.issue_all(&calls).err().map(|e| format!("{e:#}"));
+            g.round += 1;
+            cv.notify_all();
+        } else {
+            while g.round == round {
+                g = cv.wait(g).map_err(poisoned)?;
+            }
+        }
+        match &g.last {
+            None => Ok(()),
+            Some(e) => bail!("{e}"),
+        }
+    }
+
     fn abort(&self) {
         use std::sync::atomic::Ordering;
         if self.aborted.swap(true, Ordering::SeqCst) {
@@ -262,10 +378,15 @@ pub fn group(
         path: lib.path.clone(),
         version,
     };
+    let grouped = match Launch::from_env()? {
+        Launch::Grouped => Some(Default::default()),
+        Launch::Threads => None,
+    };
     let group = Arc::new(Group {
         lib,
         comms,
         aborted: Default::default(),
+        grouped,
     });
     let ranks = (0..n)
         .map(|rank| {
@@ -333,20 +454,15 @@ impl SumOp<'_> {
         if trace {
             eprintln!("rank {} all-reduce of {} enters", self.0.rank, end - start);
         }
-        // SAFETY: `ptr` addresses `end - start` elements of `dtype` owned by this storage, on
-        // the device of this rank's communicator; NCCL enqueues on candle's stream for it.
-        let r = unsafe {
-            (group.lib.all_reduce)(
-                ptr,
-                ptr,
-                end - start,
-                dtype,
-                NCCL_SUM,
-                group.comms[self.0.rank],
-                stream.cu_stream(),
-            )
+        // `ptr` addresses `end - start` elements of `dtype` owned by this storage, on the device
+        // of this rank's communicator; NCCL enqueues on candle's stream for that device.
+        let call = Call {
+            ptr: ptr as usize,
+            count: end - start,
+            dtype,
+            stream: stream.cu_stream() as usize,
         };
-        group.lib.check(r, "ncclAllReduce")?;
+        group.all_reduce(self.0.rank, call)?;
         if trace {
             eprintln!("rank {} all-reduce returned", self.0.rank);
         }
