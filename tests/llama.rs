@@ -406,3 +406,39 @@ fn tensor_parallel_refuses_uneven_heads() -> Result<()> {
     );
     Ok(())
 }
+
+/// The grouped NCCL launch's meeting point (`tp::Meeting`), with threads and a recording issuer:
+/// every round is issued once, by one thread, with every rank's call in rank order, and every
+/// rank sees the round's outcome (an error included).
+#[test]
+fn tensor_parallel_meeting_issues_each_round_once() -> Result<()> {
+    use std::sync::Mutex;
+    let ranks = 3;
+    let rounds = 200;
+    let meeting = tp::Meeting::<(usize, usize)>::new(ranks);
+    let issued: Mutex<Vec<Vec<(usize, usize)>>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for rank in 0..ranks {
+            let (meeting, issued) = (&meeting, &issued);
+            s.spawn(move || {
+                for round in 0..rounds {
+                    let r = meeting.meet(rank, (rank, round), |calls| {
+                        issued.lock().unwrap().push(calls.to_vec());
+                        if round == 7 {
+                            anyhow::bail!("round 7 fails")
+                        }
+                        Ok(())
+                    });
+                    assert_eq!(r.is_err(), round == 7, "rank {rank} round {round}: {r:?}");
+                }
+            });
+        }
+    });
+    let issued = issued.into_inner().unwrap();
+    assert_eq!(issued.len(), rounds);
+    for (round, calls) in issued.iter().enumerate() {
+        let want: Vec<(usize, usize)> = (0..ranks).map(|r| (r, round)).collect();
+        assert_eq!(calls, &want, "round {round}");
+    }
+    Ok(())
+}

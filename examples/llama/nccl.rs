@@ -19,7 +19,7 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::tp::AllReduce;
+use crate::tp::{AllReduce, Meeting};
 
 type NcclComm = *mut c_void;
 type NcclResult = c_int;
@@ -198,8 +198,8 @@ struct Group {
     comms: Vec<NcclComm>,
     /// Set once `ncclCommAbort` has freed the communicators.
     aborted: std::sync::atomic::AtomicBool,
-    /// `Some` in grouped launch mode: the all-reduces waiting for the last rank to arrive.
-    grouped: Option<(Mutex<Gathered>, std::sync::Condvar)>,
+    /// `Some` in grouped launch mode: where the ranks' all-reduces wait for the last to arrive.
+    grouped: Option<Meeting<Call>>,
 }
 
 /// How the ranks' all-reduces reach NCCL (`FLASHCORE_TP_LAUNCH`).
@@ -232,15 +232,6 @@ struct Call {
     stream: usize,
 }
 
-/// The grouped mode's meeting point: this round's calls, and how the last round went (`None`:
-/// it succeeded).
-#[derive(Default)]
-struct Gathered {
-    calls: Vec<Option<Call>>,
-    round: u64,
-    last: Option<String>,
-}
-
 // SAFETY: a communicator is used by one rank's thread at a time (the `Rank` handle owning its
 // index), and NCCL communicators may be used from any thread.
 unsafe impl Send for Group {}
@@ -248,15 +239,12 @@ unsafe impl Sync for Group {}
 
 impl Group {
     /// Issues `calls[r]` on communicator `r` for every rank, inside one NCCL group.
-    fn issue_all(&self, calls: &[Option<Call>]) -> Result<()> {
+    fn issue_all(&self, calls: &[Call]) -> Result<()> {
         // SAFETY: every call addresses a live buffer of its rank's device, deposited by a rank
         // thread that waits until this returns; each runs on its rank's own communicator.
         unsafe {
             self.lib.check((self.lib.group_start)(), "ncclGroupStart")?;
             for (r, c) in calls.iter().enumerate() {
-                let Some(c) = c else {
-                    bail!("grouped all-reduce: rank {r} did not deposit its call")
-                };
                 let p = c.ptr as *mut c_void;
                 let r = (self.lib.all_reduce)(
                     p,
@@ -278,7 +266,7 @@ impl Group {
 
     /// Rank `rank`'s all-reduce in the current mode.
     fn all_reduce(&self, rank: usize, call: Call) -> Result<()> {
-        let Some((gathered, cv)) = &self.grouped else {
+        let Some(meeting) = &self.grouped else {
             // SAFETY: as in `issue_all`, for this rank's call alone.
             let r = unsafe {
                 let p = call.ptr as *mut c_void;
@@ -294,27 +282,7 @@ impl Group {
             };
             return self.lib.check(r, "ncclAllReduce");
         };
-        let poisoned = |_| anyhow::anyhow!("grouped all-reduce: a rank panicked");
-        let mut g = gathered.lock().map_err(poisoned)?;
-        if g.calls.len() != self.comms.len() {
-            g.calls = vec![None; self.comms.len()];
-        }
-        g.calls[rank] = Some(call);
-        let round = g.round;
-        if g.calls.iter().all(Option::is_some) {
-            let calls = std::mem::replace(&mut g.calls, vec![None; self.comms.len()]);
-            g.last = self.issue_all(&calls).err().map(|e| format!("{e:#}"));
-            g.round += 1;
-            cv.notify_all();
-        } else {
-            while g.round == round {
-                g = cv.wait(g).map_err(poisoned)?;
-            }
-        }
-        match &g.last {
-            None => Ok(()),
-            Some(e) => bail!("{e}"),
-        }
+        meeting.meet(rank, call, |calls| self.issue_all(calls))
     }
 
     fn abort(&self) {
@@ -379,7 +347,7 @@ pub fn group(
         version,
     };
     let grouped = match Launch::from_env()? {
-        Launch::Grouped => Some(Default::default()),
+        Launch::Grouped => Some(Meeting::new(n)),
         Launch::Threads => None,
     };
     let group = Arc::new(Group {

@@ -15,7 +15,7 @@
 
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Barrier, Condvar, Mutex};
 
 /// Sums a tensor across the ranks of a group; every rank calls it with the same shape, in the
 /// same order of calls.
@@ -176,5 +176,67 @@ pub fn rank_devices(first: &Device, n: usize) -> Result<Vec<Device>> {
             Ok(v)
         }
         other => bail!("tensor parallelism: unsupported device {other:?}"),
+    }
+}
+
+/// A meeting point for the ranks' calls of one collective: each rank deposits its call; the last
+/// to arrive runs `issue` on all of them (in rank order) and every rank gets its outcome. Used
+/// by the NCCL grouped launch (`nccl.rs`), where `issue` makes every rank's `ncclAllReduce`
+/// between `ncclGroupStart` and `ncclGroupEnd` from one thread.
+pub struct Meeting<C> {
+    state: Mutex<Round<C>>,
+    done: Condvar,
+    ranks: usize,
+}
+
+struct Round<C> {
+    calls: Vec<Option<C>>,
+    /// Rounds completed so far.
+    round: u64,
+    /// The last round's error (`None`: it succeeded).
+    last: Option<String>,
+}
+
+impl<C: Clone> Meeting<C> {
+    pub fn new(ranks: usize) -> Meeting<C> {
+        Meeting {
+            state: Mutex::new(Round {
+                calls: vec![None; ranks],
+                round: 0,
+                last: None,
+            }),
+            done: Condvar::new(),
+            ranks,
+        }
+    }
+
+    /// Deposits `rank`'s call and returns once the round it joined has been issued. A rank
+    /// must not join the next round before every rank has joined this one (each rank makes
+    /// one call per collective, in the same order, as tensor parallelism does).
+    pub fn meet(&self, rank: usize, call: C, issue: impl FnOnce(&[C]) -> Result<()>) -> Result<()> {
+        if rank >= self.ranks {
+            bail!("meeting of {} ranks: no rank {rank}", self.ranks)
+        }
+        let poisoned = |_| anyhow::anyhow!("meeting: a rank panicked");
+        let mut g = self.state.lock().map_err(poisoned)?;
+        if g.calls[rank].is_some() {
+            bail!("meeting: rank {rank} joined twice in one round")
+        }
+        g.calls[rank] = Some(call);
+        let round = g.round;
+        if g.calls.iter().all(Option::is_some) {
+            let calls: Vec<C> = g.calls.iter_mut().flat_map(Option::take).collect();
+            g.last = issue(&calls).err().map(|e| format!("{e:#}"));
+            g.round += 1;
+            self.done.notify_all();
+        } else {
+            while g.round == round {
+                g = self.done.wait(g).map_err(poisoned)?;
+            }
+        }
+        match &g.last {
+            None => Ok(()),
+            Some(e) => bail!("{e}"),
+        }
     }
 }
