@@ -178,6 +178,18 @@ pub struct TpArgs {
 }
 
 impl TpArgs {
+    /// Call first in `main`, before anything touches CUDA. With `--tp N > 1` on GPUs, CUDA's
+    /// lazy module loading is turned off (`CUDA_MODULE_LOADING=EAGER`, unless set): a kernel's
+    /// first launch under lazy loading loads it under the context lock and waits for the
+    /// device's queue to drain, which can wait on an all-reduce that waits on the other rank,
+    /// whose thread is blocked behind the same kind of launch (a known NCCL hazard).
+    pub fn before_cuda(&self, run: &RunArgs) {
+        if self.tp > 1 && !run.cpu && std::env::var_os("CUDA_MODULE_LOADING").is_none() {
+            // Single-threaded here: nothing else reads the environment yet.
+            std::env::set_var("CUDA_MODULE_LOADING", "EAGER");
+        }
+    }
+
     /// The group's devices (rank 0 on `first`, prepared like it) and all-reduce handles, and a
     /// line saying what was set up (`None` for one rank).
     pub fn ranks(&self, run: &RunArgs, first: &Device) -> Result<(Ranks, Option<String>)> {
@@ -211,11 +223,13 @@ impl TpArgs {
                 crate::nccl::group(n, self.nccl_lib.as_deref(), self.time_allreduce)?;
             let v = info.version;
             let line = format!(
-                "tp {n}: GPUs 0..{n}, NCCL {}.{}.{} from {}",
+                "tp {n}: GPUs 0..{n}, NCCL {}.{}.{} from {}, launch {:?}, CUDA_MODULE_LOADING={}",
                 v / 10000,
                 (v / 100) % 100,
                 v % 100,
-                info.path
+                info.path,
+                crate::nccl::Launch::from_env()?,
+                std::env::var("CUDA_MODULE_LOADING").unwrap_or_else(|_| "(unset)".into())
             );
             let comms = handles
                 .into_iter()

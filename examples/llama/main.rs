@@ -406,6 +406,7 @@ fn compare_tp(args: &Args, n: usize, device: &Device, dtype: DType, ranks: Ranks
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    args.tp.before_cuda(&args.run);
     let (device, dtype) = args.run.device_and_dtype()?;
     let (ranks, tp_line) = args.tp.ranks(&args.run, &device)?;
     if let Some(line) = &tp_line {

@@ -183,12 +183,14 @@ pub fn rank_devices(first: &Device, n: usize) -> Result<Vec<Device>> {
 /// to arrive runs `issue` on all of them (in rank order) and every rank gets its outcome. Used
 /// by the NCCL grouped launch (`nccl.rs`), where `issue` makes every rank's `ncclAllReduce`
 /// between `ncclGroupStart` and `ncclGroupEnd` from one thread.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // nccl.rs (CUDA builds) and the tests use it
 pub struct Meeting<C> {
     state: Mutex<Round<C>>,
     done: Condvar,
     ranks: usize,
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // nccl.rs (CUDA builds) and the tests use it
 struct Round<C> {
     calls: Vec<Option<C>>,
     /// Rounds completed so far.
@@ -197,6 +199,7 @@ struct Round<C> {
     last: Option<String>,
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // nccl.rs (CUDA builds) and the tests use it
 impl<C: Clone> Meeting<C> {
     pub fn new(ranks: usize) -> Meeting<C> {
         Meeting {

@@ -246,6 +246,7 @@ fn build_requests(args: &Args, tok: Option<&TextTokenizer>, vocab: usize) -> Res
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    args.tp.before_cuda(&args.run);
     let (device, dtype) = args.run.device_and_dtype()?;
     let (ranks, tp_line) = args.tp.ranks(&args.run, &device)?;
     if let Some(line) = &tp_line {
