@@ -241,14 +241,8 @@ pub fn teacher_forced_agreement(
     for backend in [AttnBackend::Eager, AttnBackend::Flashcore] {
         model.attn = backend;
         // Decode: prompt, then each forced token on its own.
-        cache.reset();
-        let mut rows =
-            vec![model.forward_last(&Tensor::new(prompt, &device)?.unsqueeze(0)?, cache)?];
-        for &t in &continuation[..n - 1] {
-            rows.push(model.forward_last(&Tensor::new(&[t], &device)?.unsqueeze(0)?, cache)?);
-        }
-        decode_logits.push(Tensor::cat(&rows, 0)?); // (n, vocab)
-                                                    // Prefill: everything in one pass; keep the last n positions.
+        decode_logits.push(forced_logits(model, cache, prompt, continuation)?); // (n, vocab)
+                                                                                // Prefill: everything in one pass; keep the last n positions.
         cache.reset();
         let all: Vec<u32> = prompt
             .iter()

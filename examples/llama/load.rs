@@ -190,9 +190,17 @@ impl TpArgs {
         }
     }
 
-    /// The group's devices (rank 0 on `first`, prepared like it) and all-reduce handles, and a
-    /// line saying what was set up (`None` for one rank).
-    pub fn ranks(&self, run: &RunArgs, first: &Device) -> Result<(Ranks, Option<String>)> {
+    /// The group's devices (rank 0 on `first`, prepared like it) and all-reduce handles; says
+    /// on stderr what was set up when there are several ranks.
+    pub fn ranks(&self, run: &RunArgs, first: &Device) -> Result<Ranks> {
+        let (ranks, line) = self.setup(run, first)?;
+        if let Some(line) = line {
+            eprintln!("{line}");
+        }
+        Ok(ranks)
+    }
+
+    fn setup(&self, run: &RunArgs, first: &Device) -> Result<(Ranks, Option<String>)> {
         let n = self.tp;
         if n == 0 {
             bail!("--tp must be at least 1")
@@ -304,6 +312,18 @@ impl Ranks {
 
     fn first(&self) -> &Device {
         &self.devices[0]
+    }
+
+    /// The model over these ranks, rank `r` reading its weights through `vbs[r]`, with the
+    /// rotary table sized for the config's positions.
+    fn load(&self, vbs: &[VarBuilder], cfg: &Config, attn: AttnBackend) -> Result<Model> {
+        Model::load_ranks(
+            vbs,
+            self.comms.clone(),
+            cfg,
+            cfg.max_position_embeddings,
+            attn,
+        )
     }
 }
 
@@ -505,14 +525,7 @@ pub fn load_files_tp(
             Ok(unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device)? })
         })
         .collect::<Result<Vec<_>>>()?;
-    let model = Model::load_ranks(
-        &vbs,
-        ranks.comms.clone(),
-        &cfg,
-        cfg.max_position_embeddings,
-        attn,
-    )?;
-    Ok((model, tokenizer))
+    Ok((ranks.load(&vbs, &cfg, attn)?, tokenizer))
 }
 
 #[allow(dead_code)] // the single-GPU entry the tests use; the examples call the `_tp` forms
@@ -617,13 +630,7 @@ pub fn random_model(cfg: &Config, dtype: DType, ranks: &Ranks, attn: AttnBackend
             VarBuilder::from_backend(backend, dtype, d.clone())
         })
         .collect();
-    Model::load_ranks(
-        &vbs,
-        ranks.comms.clone(),
-        cfg,
-        cfg.max_position_embeddings,
-        attn,
-    )
+    ranks.load(&vbs, cfg, attn)
 }
 
 /// A weight source that makes each tensor when asked: norms (`*norm.weight`) are ones, every
@@ -842,14 +849,7 @@ pub fn load_gguf(
         .iter()
         .map(|d| VarBuilder::from_tensors(tensors.clone(), dtype, d))
         .collect();
-    let model = Model::load_ranks(
-        &vbs,
-        ranks.comms.clone(),
-        &cfg,
-        cfg.max_position_embeddings,
-        attn,
-    )?;
-    Ok((model, tokenizer))
+    Ok((ranks.load(&vbs, &cfg, attn)?, tokenizer))
 }
 
 #[cfg(test)]

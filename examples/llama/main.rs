@@ -408,10 +408,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     args.tp.before_cuda(&args.run);
     let (device, dtype) = args.run.device_and_dtype()?;
-    let (ranks, tp_line) = args.tp.ranks(&args.run, &device)?;
-    if let Some(line) = &tp_line {
-        eprintln!("{line}");
-    }
+    let ranks = args.tp.ranks(&args.run, &device)?;
     if let Some(n) = args.compare_tp {
         anyhow::ensure!(args.tp.tp > 1, "--compare-tp needs --tp N > 1");
         return compare_tp(&args, n, &device, dtype, ranks);

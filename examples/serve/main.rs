@@ -248,10 +248,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     args.tp.before_cuda(&args.run);
     let (device, dtype) = args.run.device_and_dtype()?;
-    let (ranks, tp_line) = args.tp.ranks(&args.run, &device)?;
-    if let Some(line) = &tp_line {
-        eprintln!("{line}");
-    }
+    let ranks = args.tp.ranks(&args.run, &device)?;
     let source = args.source.source()?;
     let t0 = std::time::Instant::now();
     let loaded = load::load_tp(
