@@ -30,6 +30,8 @@ pub struct PagedKvCache {
     free: Vec<u32>,
     /// Per sequence id: its pages and its length in rows, `None` once freed.
     seqs: Vec<Option<(Vec<u32>, usize)>>,
+    /// The scales of F8E4M3 pools ([`PagedKvCache::with_kv_scales`]).
+    kv_scales: Option<crate::KvScales>,
 }
 
 impl PagedKvCache {
@@ -68,6 +70,7 @@ impl PagedKvCache {
             page_size,
             free: (0..num_pages as u32).rev().collect(),
             seqs: Vec::new(),
+            kv_scales: None,
         })
     }
 
@@ -164,7 +167,11 @@ impl PagedKvCache {
         }
         let written = self.tables(ids).and_then(|(table, _)| {
             let pos = Tensor::new(positions.as_slice(), self.k_pages.device())?;
-            crate::append_kv_paged(k_new, v_new, &self.k_pages, &self.v_pages, &table, &pos)
+            let (kp, vp) = (&self.k_pages, &self.v_pages);
+            match &self.kv_scales {
+                None => crate::append_kv_paged(k_new, v_new, kp, vp, &table, &pos),
+                Some(s) => crate::append_kv_paged_fp8(k_new, v_new, kp, vp, &table, &pos, s),
+            }
         });
         if let Err(e) = written {
             // Back in reverse order of taking, so the free list is exactly as before.
@@ -183,6 +190,25 @@ impl PagedKvCache {
             }
         }
         Ok(())
+    }
+
+    /// An FP8 KV cache: pools made with `DType::F8E4M3` take their scales here; appends then
+    /// quantize the new rows with them (`append_kv_paged_fp8`), and attention over the pools
+    /// passes the same scales as `AttnParams::kv_scales` ([`PagedKvCache::kv_scales`]).
+    pub fn with_kv_scales(mut self, scales: crate::KvScales) -> Result<Self> {
+        if self.k_pages.dtype() != DType::F8E4M3 {
+            candle_core::bail!(
+                "flashcore: PagedKvCache::with_kv_scales: kv_scales apply to F8E4M3 pools, these are {:?}",
+                self.k_pages.dtype()
+            )
+        }
+        self.kv_scales = Some(scales);
+        Ok(self)
+    }
+
+    /// The scales of F8E4M3 pools, for `AttnParams::kv_scales`.
+    pub fn kv_scales(&self) -> Option<&crate::KvScales> {
+        self.kv_scales.as_ref()
     }
 
     /// The page table `(ids.len(), max_pages)` (unused entries 0) and lengths `(ids.len(),)`

@@ -86,6 +86,7 @@
 //! functions, in a backward pass returns `candle_core::Error::BackwardNotSupported`.
 
 mod cache;
+mod fp8;
 mod knobs;
 mod merge;
 mod op;
@@ -96,8 +97,9 @@ mod reference;
 pub mod cuda;
 
 pub use cache::PagedKvCache;
+pub use fp8::E4M3_MAX;
 pub use merge::merge_states;
-pub use params::{AttnParams, Mask, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS};
+pub use params::{AttnParams, KvScales, Mask, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS};
 
 use candle_core::{Result, Tensor};
 
@@ -314,7 +316,9 @@ pub fn append_kv_paged(
     page_table: &Tensor,
     positions: &Tensor,
 ) -> Result<()> {
-    op::append_kv_paged(k_new, v_new, k_pages, v_pages, page_table, positions, None)
+    op::append_kv_paged(
+        k_new, v_new, k_pages, v_pages, page_table, positions, None, None,
+    )
 }
 
 /// [`append_kv_paged`] for packed new rows of different counts: `k_new` / `v_new` `(total_new,
@@ -338,6 +342,57 @@ pub fn append_kv_paged_varlen(
         page_table,
         positions,
         Some(cu_seqlens_new),
+        None,
+    )
+}
+
+/// [`append_kv_paged`] into F8E4M3 pools (an FP8 KV cache): each new row `x` (f16, bf16, f32 or
+/// f64) of K/V head `h` is stored as `x / scale[h]` saturated to ±[`E4M3_MAX`] and rounded to
+/// e4m3 (NaN stays NaN); attention reads it back with the same [`KvScales`] in
+/// `AttnParams::kv_scales`. CPU only for now (the GPU refuses F8E4M3 pools).
+#[allow(clippy::too_many_arguments)]
+pub fn append_kv_paged_fp8(
+    k_new: &Tensor,
+    v_new: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    positions: &Tensor,
+    scales: &KvScales,
+) -> Result<()> {
+    op::append_kv_paged(
+        k_new,
+        v_new,
+        k_pages,
+        v_pages,
+        page_table,
+        positions,
+        None,
+        Some(scales),
+    )
+}
+
+/// [`append_kv_paged_varlen`] into F8E4M3 pools, quantizing as [`append_kv_paged_fp8`] does.
+#[allow(clippy::too_many_arguments)]
+pub fn append_kv_paged_varlen_fp8(
+    k_new: &Tensor,
+    v_new: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    page_table: &Tensor,
+    cu_seqlens_new: &Tensor,
+    positions: &Tensor,
+    scales: &KvScales,
+) -> Result<()> {
+    op::append_kv_paged(
+        k_new,
+        v_new,
+        k_pages,
+        v_pages,
+        page_table,
+        positions,
+        Some(cu_seqlens_new),
+        Some(scales),
     )
 }
 

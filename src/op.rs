@@ -446,6 +446,10 @@ pub(crate) fn run(
     params: &AttnParams,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    if let Some(s) = crate::fp8::kv_form(k, v, params)? {
+        let (q2, k2, v2, p) = crate::fp8::widened(q, k, v, s, params)?;
+        return crate::fp8::restore(run(&q2, &k2, &v2, &p, want_lse)?, q.dtype());
+    }
     let problem = validate(q, k, v, params)?;
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
@@ -465,6 +469,11 @@ pub(crate) fn run_varlen(
     params: &AttnParams,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    if let Some(s) = crate::fp8::kv_form(k, v, params)? {
+        let (q2, k2, v2, p) = crate::fp8::widened(q, k, v, s, params)?;
+        let r = run_varlen(&q2, &k2, &v2, seqs, &p, want_lse)?;
+        return crate::fp8::restore(r, q.dtype());
+    }
     let problem = validate_varlen(
         q, k, v, seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, params,
     )?;
@@ -519,6 +528,17 @@ pub(crate) fn run_paged(
     params: &AttnParams,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    if let Some(s) = crate::fp8::kv_form(kv.k_pages, kv.v_pages, params)? {
+        // The whole pools, dequantized: the CPU path gathers the pages it reads from them.
+        let (q2, k2, v2, p) = crate::fp8::widened(q, kv.k_pages, kv.v_pages, s, params)?;
+        let wide = PagedKv {
+            k_pages: &k2,
+            v_pages: &v2,
+            ..*kv
+        };
+        let r = run_paged(&q2, &wide, packed_q, &p, want_lse)?;
+        return crate::fp8::restore(r, q.dtype());
+    }
     let problem = validate_paged(
         q,
         kv.k_pages,
@@ -782,6 +802,7 @@ impl candle_core::InplaceOp2 for AppendOp<'_> {
             (CpuStorage::F64(d), CpuStorage::F64(s)) => self.cpu_typed(d, l1, s, l2),
             (CpuStorage::F16(d), CpuStorage::F16(s)) => self.cpu_typed(d, l1, s, l2),
             (CpuStorage::BF16(d), CpuStorage::BF16(s)) => self.cpu_typed(d, l1, s, l2),
+            (CpuStorage::F8E4M3(d), CpuStorage::F8E4M3(s)) => self.cpu_typed(d, l1, s, l2),
             (d, s) => candle_core::bail!(
                 "flashcore: {}: dtype must be f16, bf16, f32 or f64 and match the new rows, got {:?} and {:?}",
                 self.name,
@@ -826,7 +847,17 @@ pub(crate) fn append_kv_paged(
     page_table: &Tensor,
     positions: &Tensor,
     cu_new: Option<&Tensor>,
+    scales: Option<&crate::KvScales>,
 ) -> Result<()> {
+    let (k_q, v_q);
+    let (k_new, v_new) = match crate::fp8::append_form(k_new, k_pages, v_pages, scales)? {
+        None => (k_new, v_new),
+        Some(s) => {
+            k_q = crate::fp8::quantize(k_new, &s.k)?;
+            v_q = crate::fp8::quantize(v_new, &s.v)?;
+            (&k_q, &v_q)
+        }
+    };
     let g = crate::params::validate_append(
         k_new, v_new, k_pages, v_pages, page_table, positions, cu_new,
     )?;

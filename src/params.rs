@@ -72,6 +72,20 @@ pub struct AttnParams {
     /// NaN (O and LSE), except rows without weight (no key, or only `-inf` scores): O zeros, LSE
     /// NaN (docs/numeric-contract.md).
     pub sinks: Option<Tensor>,
+    /// The scales of F8E4M3 keys and values (an FP8 KV cache): required when k/v are
+    /// `DType::F8E4M3`, refused otherwise. CPU only for now: the GPU kernels refuse FP8 K/V with
+    /// an error naming this option.
+    pub kv_scales: Option<KvScales>,
+}
+
+/// The f32 scales of F8E4M3 keys and values, each `(heads_kv,)` (one per K/V head) or `(1,)`
+/// (one for all), contiguous, on the K/V device: a stored value `s` of head `h` stands for
+/// `s * scale[h]`, and [`crate::append_kv_paged_fp8`] stores a row `x` as `x / scale[h]`
+/// saturated to ±448 and rounded to e4m3 (vLLM's `k_scale` / `v_scale`).
+#[derive(Clone, Debug)]
+pub struct KvScales {
+    pub k: Tensor,
+    pub v: Tensor,
 }
 
 /// Where sequence `i`'s query rows and keys live: the one description of a batch that the CPU

@@ -1,0 +1,204 @@
+//! FP8 (e4m3) keys and values: the storage form of a serving engine's KV cache, half the bytes
+//! of bf16 per cached row.
+//!
+//! A K/V tensor or pool in `F8E4M3` holds `x / scale` rounded to e4m3 after saturating to the
+//! format's largest finite value (±448); it is read as `stored * scale`, with one f32 scale per
+//! K/V head or one for all heads ([`KvScales`]). The CPU path dequantizes to f32 and runs the
+//! f32 path (exact: an e4m3 value times an f32 scale is one f32 rounding), casting the output to
+//! q's dtype. The GPU kernels do not read FP8 yet: every entry point refuses it there with an
+//! error naming the option.
+
+use candle_core::{DType, Result, Tensor};
+
+use crate::params::{AttnParams, KvScales};
+
+/// The largest finite e4m3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+fn bad(arg: &str, rule: &str, got: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("flashcore: {arg}: {rule}, got {got}"))
+}
+
+/// Checks one scale tensor for K/V of `hkv` heads: f32, `(hkv,)` or `(1,)`, contiguous, on the
+/// K/V device.
+fn check_scale(name: &str, s: &Tensor, hkv: usize, kv: &Tensor) -> Result<()> {
+    if s.dtype() != DType::F32 {
+        return Err(bad(name, "dtype must be f32", format!("{:?}", s.dtype())));
+    }
+    if s.dims() != [hkv] && s.dims() != [1] {
+        return Err(bad(
+            name,
+            &format!("shape must be (heads_kv,) = ({hkv},) or (1,)"),
+            format!("{:?}", s.dims()),
+        ));
+    }
+    if !s.device().same_device(kv.device()) {
+        return Err(bad(
+            name,
+            "must be on the device of k/v",
+            format!("{:?}", s.device().location()),
+        ));
+    }
+    if !s.is_contiguous() {
+        return Err(bad(name, "must be contiguous", format!("{:?}", s.stride())));
+    }
+    Ok(())
+}
+
+/// `x` (`(..., hkv, d)`, any float dtype) times its per-head `scale`, in f32.
+fn times_scale(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    let n = scale.dim(0)?;
+    let x = x.to_dtype(DType::F32)?;
+    x.broadcast_mul(&scale.reshape((n, 1))?)
+}
+
+/// `x` `(..., hkv, d)` in F8E4M3 read as f32: `stored * scale[head]`.
+pub(crate) fn dequantize(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    times_scale(x, scale)
+}
+
+/// `x` `(..., hkv, d)` (f16, bf16, f32 or f64) stored as F8E4M3: `x / scale[head]`, saturated to
+/// ±448, rounded to e4m3. NaN stays NaN (e4m3 has no infinity: ±inf saturate to ±448).
+pub(crate) fn quantize(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    let n = scale.dim(0)?;
+    let x = x.to_dtype(DType::F32)?;
+    let y = x.broadcast_div(&scale.reshape((n, 1))?)?;
+    let y = y.clamp(-E4M3_MAX, E4M3_MAX)?;
+    // `clamp` maps NaN through min/max, which may turn it into a bound: keep NaN as NaN.
+    let nan = x.ne(&x)?;
+    let y = nan.where_cond(&x, &y)?;
+    y.to_dtype(DType::F8E4M3)
+}
+
+/// The K/V form a call reads, after checking that `k`, `v` and `params.kv_scales` agree:
+/// `None` for plain K/V, `Some(scales)` for F8E4M3 K/V (on the CPU only, for now).
+pub(crate) fn kv_form<'a>(
+    k: &Tensor,
+    v: &Tensor,
+    params: &'a AttnParams,
+) -> Result<Option<&'a KvScales>> {
+    // K/V heads are the second-to-last dimension in every layout (dense, packed, paged).
+    let hkv = k.dims().iter().rev().nth(1).copied().unwrap_or(0);
+    let fp8 = |t: &Tensor| t.dtype() == DType::F8E4M3;
+    match (&params.kv_scales, fp8(k), fp8(v)) {
+        (None, false, false) => Ok(None),
+        (None, _, _) => Err(bad(
+            "kv_scales",
+            "F8E4M3 k/v need their scales (AttnParams::kv_scales)",
+            format!("k {:?}, v {:?}", k.dtype(), v.dtype()),
+        )),
+        (Some(_), false, false) => Err(bad(
+            "kv_scales",
+            "apply to F8E4M3 k and v only",
+            format!("k {:?}, v {:?}", k.dtype(), v.dtype()),
+        )),
+        (Some(_), true, false) | (Some(_), false, true) => Err(bad(
+            "v",
+            "dtype must match k's (both F8E4M3 with kv_scales)",
+            format!("k {:?}, v {:?}", k.dtype(), v.dtype()),
+        )),
+        (Some(s), true, true) => {
+            check_scale("kv_scales.k", &s.k, hkv, k)?;
+            check_scale("kv_scales.v", &s.v, hkv, v)?;
+            if !k.device().is_cpu() {
+                return Err(bad(
+                    "kv_scales",
+                    "F8E4M3 k/v are not implemented on the GPU yet (dequantize them, or use the CPU path)",
+                    format!("{:?}", k.device().location()),
+                ));
+            }
+            Ok(Some(s))
+        }
+    }
+}
+
+/// The scales an append into `k_pages` / `v_pages` quantizes with: `None` for plain pools,
+/// `Some` for F8E4M3 pools (CPU only, for now), after checking that pools and scales agree.
+pub(crate) fn append_form<'a>(
+    k_new: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    scales: Option<&'a KvScales>,
+) -> Result<Option<&'a KvScales>> {
+    let fp8 = |t: &Tensor| t.dtype() == DType::F8E4M3;
+    let hkv = k_pages.dims().iter().rev().nth(1).copied().unwrap_or(0);
+    match (scales, fp8(k_pages), fp8(v_pages)) {
+        (None, false, false) => Ok(None),
+        (None, _, _) => Err(bad(
+            "k_pages",
+            "F8E4M3 pools are appended to with their scales (append_kv_paged_fp8)",
+            format!(
+                "k_pages {:?}, v_pages {:?}",
+                k_pages.dtype(),
+                v_pages.dtype()
+            ),
+        )),
+        (Some(_), false, false) => Err(bad(
+            "scales",
+            "apply to F8E4M3 pools only",
+            format!("k_pages {:?}", k_pages.dtype()),
+        )),
+        (Some(_), _, _) if fp8(k_pages) != fp8(v_pages) => Err(bad(
+            "v_pages",
+            "dtype must match k_pages's",
+            format!(
+                "k_pages {:?}, v_pages {:?}",
+                k_pages.dtype(),
+                v_pages.dtype()
+            ),
+        )),
+        (Some(s), _, _) => {
+            if fp8(k_new) {
+                return Err(bad(
+                    "k_new",
+                    "rows appended to F8E4M3 pools are given unquantized (f16, bf16, f32, f64)",
+                    format!("{:?}", k_new.dtype()),
+                ));
+            }
+            check_scale("scales.k", &s.k, hkv, k_pages)?;
+            check_scale("scales.v", &s.v, hkv, v_pages)?;
+            if !k_pages.device().is_cpu() {
+                return Err(bad(
+                    "k_pages",
+                    "F8E4M3 pools are not implemented on the GPU yet",
+                    format!("{:?}", k_pages.device().location()),
+                ));
+            }
+            Ok(Some(s))
+        }
+    }
+}
+
+/// The widened problem an F8E4M3 call stands for: q and the dequantized K/V in f32 (f64 for an
+/// f64 q), the options without `kv_scales`. The output is then cast back to q's dtype
+/// ([`restore`]).
+pub(crate) fn widened(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scales: &KvScales,
+    params: &AttnParams,
+) -> Result<(Tensor, Tensor, Tensor, AttnParams)> {
+    let p = AttnParams {
+        kv_scales: None,
+        ..params.clone()
+    };
+    let wide = match q.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    Ok((
+        q.to_dtype(wide)?,
+        dequantize(k, &scales.k)?.to_dtype(wide)?,
+        dequantize(v, &scales.v)?.to_dtype(wide)?,
+        p,
+    ))
+}
+
+/// The output of the f32 problem cast to q's dtype (the LSE stays f32).
+pub(crate) fn restore(
+    (o, lse): (Tensor, Option<Tensor>),
+    dtype: DType,
+) -> Result<(Tensor, Option<Tensor>)> {
+    Ok((o.to_dtype(dtype)?, lse))
+}
