@@ -38,7 +38,8 @@
 //! combine) fills the whole output and LSE with NaN if the sums lie.
 //!
 //! ## Head dims
-//! Every multiple of 8 up to 256 runs everywhere. The GPU kernels are compiled for 64, 128 and
+//! Every multiple of 8 up to 256 runs everywhere, up to 512 on the CPU (a larger one on a GPU is
+//! an error naming `q`'s head_dim, [`GPU_MAX_HEAD_DIM`]). The GPU kernels are compiled for 64, 128 and
 //! 256, with narrow variants that compute only 32, 96, 160 or 192 columns (sm90 twins, sm80
 //! bodies chosen per launch); other head dims run on the next kernel up with the extra columns
 //! zero-filled in shared memory (no copy; the compute of the padded columns is spent).
@@ -99,7 +100,7 @@ pub mod cuda;
 pub use cache::PagedKvCache;
 pub use fp8::E4M3_MAX;
 pub use merge::merge_states;
-pub use params::{AttnParams, KvScales, Mask, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS};
+pub use params::{AttnParams, KvScales, Mask, GPU_MAX_HEAD_DIM, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS};
 
 use candle_core::{Result, Tensor};
 

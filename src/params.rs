@@ -7,8 +7,11 @@ use candle_core::{DType, Layout, Tensor};
 /// next one up (the kernels zero-fill the extra columns in shared memory; nothing is copied).
 pub const SUPPORTED_HEAD_DIMS: &[usize] = &[64, 128, 256];
 
-/// Largest head dimension accepted at all.
-pub const MAX_HEAD_DIM: usize = 256;
+/// Largest head dimension accepted at all (by the CPU path; see [`GPU_MAX_HEAD_DIM`]).
+pub const MAX_HEAD_DIM: usize = 512;
+
+/// Largest head dimension the GPU kernels take: a larger one on a GPU is an error naming it.
+pub const GPU_MAX_HEAD_DIM: usize = 256;
 
 /// Attention mask, aligned bottom-right (see the crate docs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -327,6 +330,15 @@ fn check_common(
         return Err(bad(
             "q",
             &format!("head_dim must be a multiple of 8 in 8..={MAX_HEAD_DIM}"),
+            d,
+        ));
+    }
+    if d > GPU_MAX_HEAD_DIM && !q.device().is_cpu() {
+        return Err(bad(
+            "q",
+            &format!(
+                "head_dim must be at most {GPU_MAX_HEAD_DIM} on a GPU (no kernel for larger head dims yet; the CPU path takes up to {MAX_HEAD_DIM})"
+            ),
             d,
         ));
     }

@@ -123,6 +123,38 @@ fn sweep_dtypes_head_dims() -> Result<()> {
     Ok(())
 }
 
+/// Head dims past the GPU kernels' 256, up to 512 (Gemma 4's global layers), on the CPU path:
+/// against the f64 reference, every mask, strided views, GQA; 520 is refused naming q.
+#[test]
+fn head_dims_to_512_on_the_cpu() -> Result<()> {
+    for dtype in [DType::F32, DType::BF16] {
+        for d in [264, 392, 512] {
+            for mask in [
+                Mask::Causal,
+                Mask::Window {
+                    left: Some(17),
+                    right: Some(3),
+                },
+            ] {
+                check(2, 33, 65, 4, 2, d, dtype, d == 392, &p(mask))?;
+            }
+        }
+    }
+    let f = DType::F32;
+    let t = |s: &[usize]| Tensor::zeros(s, f, &Device::Cpu);
+    let e = err_of(
+        &t(&[1, 4, 2, 520])?,
+        &t(&[1, 4, 2, 520])?,
+        &t(&[1, 4, 2, 520])?,
+        &p(Mask::None),
+    );
+    assert_eq!(
+        e,
+        "flashcore: q: head_dim must be a multiple of 8 in 8..=512, got 520"
+    );
+    Ok(())
+}
+
 #[test]
 fn long_sequence_1023() -> Result<()> {
     check(
@@ -316,8 +348,8 @@ fn validation_messages() -> Result<()> {
         (err_of(&q, &t(&[1, 6, 2, 32], f), &t(&[1, 6, 2, 32], f), &d), "k: head_dim must equal q's head_dim 64, got 32"),
         (err_of(&q, &k, &t(&[1, 5, 2, 64], f), &d), "v: shape must equal k's [1, 6, 2, 64], got [1, 5, 2, 64]"),
         (err_of(&q, &t(&[1, 6, 3, 64], f), &t(&[1, 6, 3, 64], f), &d), "k: heads_q (8) must be a multiple of heads_kv, got heads_kv 3"),
-        (err_of(&t(&[1, 4, 8, 300], f), &t(&[1, 6, 2, 300], f), &t(&[1, 6, 2, 300], f), &d), "q: head_dim must be a multiple of 8 in 8..=256, got 300"),
-        (err_of(&t(&[1, 4, 8, 12], f), &t(&[1, 6, 2, 12], f), &t(&[1, 6, 2, 12], f), &d), "head_dim must be a multiple of 8 in 8..=256, got 12"),
+        (err_of(&t(&[1, 4, 8, 300], f), &t(&[1, 6, 2, 300], f), &t(&[1, 6, 2, 300], f), &d), "q: head_dim must be a multiple of 8 in 8..=512, got 300"),
+        (err_of(&t(&[1, 4, 8, 12], f), &t(&[1, 6, 2, 12], f), &t(&[1, 6, 2, 12], f), &d), "head_dim must be a multiple of 8 in 8..=512, got 12"),
         (err_of(&t(&[1, 4, 64, 8], f).transpose(2, 3)?, &k, &k, &d), "q: the last dimension (head_dim) must be contiguous (stride 1)"),
         (err_of(&t(&[1, 0, 8, 64], f), &k, &k, &d), "q: must not be empty, got shape [1, 0, 8, 64]"),
         (err_of(&q, &t(&[1, 0, 2, 64], f), &t(&[1, 0, 2, 64], f), &d), "k: must not be empty (seq_k >= 1)"),

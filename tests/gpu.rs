@@ -550,6 +550,15 @@ fn unsupported_options_error_clearly() -> Result<()> {
         e.contains("no CUDA kernel for softmax_scale -0.5") && e.contains("sq=8"),
         "{e}"
     );
+    // Head dims past 256 run on the CPU only: refused before anything runs, naming q.
+    let (q, k, v) = qkv(1, 8, 8, 2, 2, 264, DType::BF16, false, &dev)?;
+    let e = flashcore::attention(&q, &k, &v, &AttnParams::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("q: head_dim must be at most 256 on a GPU") && e.contains("got 264"),
+        "{e}"
+    );
     Ok(())
 }
 

@@ -28,7 +28,8 @@
 //! - Grouped-query and multi-query attention: `k` and `v` may have fewer heads than `q`, and the
 //!   query head count must be a multiple of the K/V head count. Query head `h` reads K/V head
 //!   `h / (heads_q / heads_kv)`; nothing is repeated in memory.
-//! - Head dims: any multiple of 8 up to 256, the same for `q`, `k` and `v`.
+//! - Head dims: any multiple of 8 up to 256 on a GPU (512 on the CPU), the same for `q`, `k` and
+//!   `v`.
 //! - Inputs may be strided views as long as the last dimension is contiguous.
 //! - A query row that sees no key (a causal mask with `seqlen_q > seqlen_k`) returns zeros.
 //! - Bad arguments return an error that names the argument, the rule and the value.

@@ -729,11 +729,23 @@ fn flash_attn_varlen_paged_windowed_decreasing_seqlens_k() -> Result<()> {
 }
 
 #[test]
-fn head_dim_above_256_is_an_error_not_a_guess() -> Result<()> {
-    // candle-flash-attn takes head dims up to 512; flashcore stops at 256 and says so.
-    let q = randn(&[1, 4, 2, 320])?;
+fn head_dims_to_512_on_the_cpu_and_no_further() -> Result<()> {
+    // candle-flash-attn takes head dims up to 512: so does the CPU path here (a GPU stops at 256
+    // with an error naming the head dim); 520 is refused.
+    for d in [320, 512] {
+        let (q, k, v) = (
+            randn(&[1, 5, 2, d])?,
+            randn(&[1, 7, 2, d])?,
+            randn(&[1, 7, 2, d])?,
+        );
+        let got = cfa::flash_attn(&q, &k, &v, 0.1, true)?;
+        let want = fa2_dense(&q, &k, &v, None, 0.1, None, Some(0), 0.0)?;
+        let e = max_abs_diff(&got, &want)?;
+        assert!(e < 1e-5, "d {d}: {e}");
+    }
+    let q = randn(&[1, 4, 2, 520])?;
     let msg = cfa::flash_attn(&q, &q, &q, 0.1, true)
-        .expect_err("d 320 must be refused")
+        .expect_err("d 520 must be refused")
         .to_string();
     assert!(msg.contains("head_dim"), "{msg}");
     Ok(())
