@@ -75,6 +75,13 @@ pub struct AttnParams {
     /// NaN (O and LSE), except rows without weight (no key, or only `-inf` scores): O zeros, LSE
     /// NaN (docs/numeric-contract.md).
     pub sinks: Option<Tensor>,
+    /// Chunked attention (Llama 4): with `Some(c)`, the query row at bottom-right position
+    /// `p = i + seq_k - seq_q` (per sequence for packed and paged batches) sees only keys in
+    /// `[floor(p / c) * c, (floor(p / c) + 1) * c)`, intersected with the mask. A row with
+    /// `p < 0` (more query rows than keys) lies in chunk -1 and sees no key. `c` must be >= 1.
+    /// CPU path and [`crate::attention_slow`] only for now: the GPU kernels refuse it with an
+    /// error (docs/decisions.md#chunked-attention).
+    pub chunk: Option<usize>,
     /// The scales of F8E4M3 keys and values (an FP8 KV cache): required when k/v are
     /// `DType::F8E4M3`, refused otherwise. CPU only for now: the GPU kernels refuse FP8 K/V with
     /// an error naming this option.
@@ -143,6 +150,9 @@ pub(crate) struct Problem {
     /// equal to causal or to no mask is exactly `Mask::Causal` / `Mask::None`). Everything that
     /// reads the problem (the CPU path, the kernel launches) gets bounds in that range.
     pub mask: Mask,
+    /// The chunk length in canonical form ([`normalise_chunk`]): `None`, or `Some(c)` with
+    /// `1 <= c <= sk`, kept only where it can change which keys some row sees.
+    pub chunk: Option<usize>,
     pub softcap: Option<f32>,
     /// Whether ALiBi slopes were given (the tensor itself travels beside the problem), and
     /// whether they are `(batch, heads_q)` (else `(heads_q,)`).
@@ -376,6 +386,13 @@ fn check_common(
     if let Some(s) = &p.sinks {
         check_sinks(s, q, hq)?;
     }
+    if p.chunk == Some(0) {
+        return Err(bad(
+            "chunk",
+            "must be >= 1 (the number of key positions per chunk)",
+            "0",
+        ));
+    }
     Ok((scale, scale_f64, per_batch))
 }
 
@@ -426,6 +443,37 @@ pub(crate) fn normalise_mask(mask: Mask, sq: usize, sk: usize) -> Mask {
     mask.canonical()
 }
 
+/// The one canonical form of `AttnParams::chunk` for a problem of at most `sk` keys per
+/// sequence, under the already normalised `mask`. `rows_before_keys` says whether
+/// a sequence may have more query rows than keys (packed or paged batches, or dense `sq > sk`),
+/// i.e. rows at `p < 0`, which chunk -1 leaves without keys.
+/// - No keys at all (`sk == 0`): `None` (every row sees nothing either way).
+/// - `c >= sk`: a row at `0 <= p <= sk_i - 1 < c` is in chunk 0, `[0, c)`, which holds every key
+///   of its sequence, so the chunk changes nothing for it. Rows at `p < 0` lose every key, which
+///   changes nothing only when the mask already hides every key from them (a right bound of 0:
+///   keys `j <= p < 0`) or when there are no such rows. Then `None`; otherwise `Some(sk)`, which
+///   gives every row the same keys as `Some(c)` (chunk 0 still holds every key) and keeps the
+///   value within the problem's key bound.
+/// - `c < sk`: kept.
+///
+/// Exact for packed and paged batches because `sk` bounds every sequence's key count.
+pub(crate) fn normalise_chunk(
+    chunk: Option<usize>,
+    mask: Mask,
+    sk: usize,
+    rows_before_keys: bool,
+) -> Option<usize> {
+    let c = chunk?;
+    if sk == 0 {
+        return None;
+    }
+    if c >= sk {
+        let hidden_anyway = mask.bounds().1 == Some(0);
+        return (rows_before_keys && !hidden_anyway).then_some(sk);
+    }
+    Some(c)
+}
+
 /// Checks everything about the inputs that can be checked without running anything, coarse to
 /// fine: rank, dtype, device, shape agreement, head ratio, head dim, strides, emptiness, scale,
 /// softcap, ALiBi slopes.
@@ -470,6 +518,7 @@ pub(crate) fn validate(
         scale,
         scale_f64,
         mask: normalise_mask(p.mask, sq, sk),
+        chunk: normalise_chunk(p.chunk, normalise_mask(p.mask, sq, sk), sk, sq > sk),
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,
@@ -563,6 +612,13 @@ pub(crate) fn validate_varlen(
         scale,
         scale_f64,
         mask: normalise_mask(p.mask, max_seqlen_q, max_seqlen_k),
+        // Any sequence may have fewer keys than query rows.
+        chunk: normalise_chunk(
+            p.chunk,
+            normalise_mask(p.mask, max_seqlen_q, max_seqlen_k),
+            max_seqlen_k,
+            true,
+        ),
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,
@@ -800,6 +856,13 @@ pub(crate) fn validate_paged(
         scale,
         scale_f64,
         mask: normalise_mask(p.mask, sq, max_pages * page_size),
+        // Any sequence may hold fewer keys than its query rows.
+        chunk: normalise_chunk(
+            p.chunk,
+            normalise_mask(p.mask, sq, max_pages * page_size),
+            max_pages * page_size,
+            true,
+        ),
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
         alibi_per_batch,

@@ -120,19 +120,35 @@ fn exp_nonpos_f32(xs: &mut [f32]) {
     }
 }
 
-/// Keys visible to query row `i`: the half-open range `lo..hi` (empty when `lo >= hi`).
-/// Any bound (up to `usize::MAX`) is handled: the arithmetic saturates, and a bound that
-/// saturates is beyond every key anyway.
-pub(crate) fn visible_keys(i: usize, sq: usize, sk: usize, mask: Mask) -> (usize, usize) {
+/// Keys visible to query row `i`: the half-open range `lo..hi` (empty when `lo >= hi`), the
+/// mask's band intersected with the row's chunk (`AttnParams::chunk`: keys
+/// `[floor(p / c) * c, (floor(p / c) + 1) * c)` for the row's position `p = i + sk - sq`, floor
+/// division, so a row at `p < 0` is in chunk -1 and sees nothing). Any bound or chunk (up to
+/// `usize::MAX`, chunk >= 1) is handled: the arithmetic saturates, and a bound that saturates is
+/// beyond every key anyway.
+pub(crate) fn visible_keys(
+    i: usize,
+    sq: usize,
+    sk: usize,
+    mask: Mask,
+    chunk: Option<usize>,
+) -> (usize, usize) {
     let wide = |x: usize| i64::try_from(x).unwrap_or(i64::MAX);
     let diag = wide(i).saturating_add(wide(sk)).saturating_sub(wide(sq));
     let (left, right) = mask.bounds();
-    let lo = left.map_or(0, |l| diag.saturating_sub(wide(l)).max(0));
-    let hi = right.map_or(wide(sk), |r| {
+    let mut lo = left.map_or(0, |l| diag.saturating_sub(wide(l)).max(0));
+    let mut hi = right.map_or(wide(sk), |r| {
         diag.saturating_add(wide(r))
             .saturating_add(1)
             .clamp(0, wide(sk))
     });
+    if let Some(c) = chunk {
+        // c >= 1 (validated); floor division puts rows at diag < 0 in chunk -1.
+        let c = wide(c.max(1));
+        let start = diag.div_euclid(c).saturating_mul(c);
+        lo = lo.max(start.max(0));
+        hi = hi.min(start.saturating_add(c).clamp(0, wide(sk)));
+    }
     (lo.min(wide(sk)) as usize, hi as usize)
 }
 
@@ -385,7 +401,7 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
                 continue;
             }
             let (i, h) = ((v0 + r) / ratio, g * ratio + (v0 + r) % ratio);
-            let (lo, hi) = visible_keys(i, sq, sk, p.mask);
+            let (lo, hi) = visible_keys(i, sq, sk, p.mask, p.chunk);
             *row = (i, h, lo, hi);
             if lo < hi {
                 lo_t = lo_t.min(lo);
@@ -773,7 +789,7 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
         * d
         * (0..sq)
             .map(|i| {
-                let (lo, hi) = visible_keys(i, sq, sk, p.mask);
+                let (lo, hi) = visible_keys(i, sq, sk, p.mask, p.chunk);
                 hi.saturating_sub(lo)
             })
             .sum::<usize>();
@@ -863,11 +879,17 @@ fn alibi_bias(slopes: &Tensor, sq: usize, sk: usize, dtype: DType) -> Result<Ten
         .neg()
 }
 
-/// `(seq_q, seq_k)` u8: 1 where the key is visible.
-fn visible_mask(sq: usize, sk: usize, mask: Mask, dev: &Device) -> Result<Tensor> {
+/// `(seq_q, seq_k)` u8: 1 where the key is visible (mask and chunk).
+fn visible_mask(
+    sq: usize,
+    sk: usize,
+    mask: Mask,
+    chunk: Option<usize>,
+    dev: &Device,
+) -> Result<Tensor> {
     let mut m = vec![0u8; sq * sk];
     for i in 0..sq {
-        let (lo, hi) = visible_keys(i, sq, sk, mask);
+        let (lo, hi) = visible_keys(i, sq, sk, mask, chunk);
         for x in &mut m[i * sk + lo..i * sk + hi.max(lo)] {
             *x = 1;
         }
@@ -996,8 +1018,8 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
         s = s.broadcast_add(&alibi_bias(sl, p.sq, p.sk, cd)?)?;
     }
     let dev = s.device().clone();
-    let vis = (p.mask != Mask::None)
-        .then(|| visible_mask(p.sq, p.sk, p.mask, &dev))
+    let vis = (p.mask != Mask::None || p.chunk.is_some())
+        .then(|| visible_mask(p.sq, p.sk, p.mask, p.chunk, &dev))
         .transpose()?;
     let neg_inf = Tensor::full(f64::NEG_INFINITY, (), &dev)?.to_dtype(cd)?;
     if let Some(vis) = &vis {
@@ -1061,7 +1083,7 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
             let (b, hq, sq, d) = (p.b, p.hq, p.sq, p.d);
             let mut rows = Vec::with_capacity(sq);
             for i in 0..sq {
-                let (lo, hi) = visible_keys(i, sq, p.sk, p.mask);
+                let (lo, hi) = visible_keys(i, sq, p.sk, p.mask, p.chunk);
                 let wi = w.narrow(2, i, 1)?;
                 rows.push(if lo < hi {
                     let r = wi.narrow(3, lo, hi - lo)?.contiguous()?;

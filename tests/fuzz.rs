@@ -223,6 +223,13 @@ fn gen_case(rng: &mut Rng) -> Result<Case> {
             right: bound(rng, max_len),
         },
     };
+    if rng.chance(0.2) {
+        let c = rng.pick(&[0usize, 1, 2, 3, 5, 8, 64, max_len, usize::MAX]);
+        if c == 0 {
+            bad.push("chunk");
+        }
+        params.chunk = Some(c);
+    }
     params.softmax_scale = match rng.below(20) {
         0 => {
             bad.push("softmax_scale");
@@ -512,9 +519,10 @@ fn gen_case(rng: &mut Rng) -> Result<Case> {
         }
     }
     let desc = format!(
-        "{api:?} {dtype:?} b{b} h{hq}/{hkv} d{d} lens {:?} max ({max_q}, {max_k}) {:?} scale {:?} softcap {:?} slopes {:?} strided {strided} big {big}",
+        "{api:?} {dtype:?} b{b} h{hq}/{hkv} d{d} lens {:?} max ({max_q}, {max_k}) {:?} chunk {:?} scale {:?} softcap {:?} slopes {:?} strided {strided} big {big}",
         seqs.iter().map(|s| (s.sq, s.sk)).collect::<Vec<_>>(),
         params.mask,
+        params.chunk,
         params.softmax_scale,
         params.softcap,
         slopes_all.as_ref().map(|s| s.len()),
@@ -558,12 +566,26 @@ struct RowWant {
     tol_lse: f64,
 }
 
-/// Visible keys `lo..hi` of row `i` (i128, independent of the crate's arithmetic).
-fn visible(i: usize, sq: usize, sk: usize, mask: flashcore::Mask) -> (usize, usize) {
+/// Visible keys `lo..hi` of row `i` (i128, independent of the crate's arithmetic): the mask's
+/// band, intersected with the row's chunk `[floor(diag / c) * c, ... + c)` when chunked.
+fn visible(
+    i: usize,
+    sq: usize,
+    sk: usize,
+    mask: flashcore::Mask,
+    chunk: Option<usize>,
+) -> (usize, usize) {
     let diag = i as i128 + sk as i128 - sq as i128;
     let (l, r) = mask.bounds();
-    let lo = l.map_or(0, |l| (diag - l as i128).max(0));
-    let hi = r.map_or(sk as i128, |r| (diag + r as i128 + 1).min(sk as i128));
+    let mut lo = l.map_or(0, |l| (diag - l as i128).max(0));
+    let mut hi = r.map_or(sk as i128, |r| (diag + r as i128 + 1).min(sk as i128));
+    if let Some(c) = chunk.filter(|&c| c > 0) {
+        let c = c as i128;
+        let start = diag.div_euclid(c) * c;
+        lo = lo.max(start);
+        hi = hi.min(start + c);
+    }
+    let lo = lo.max(0);
     let lo = lo.min(sk as i128);
     (lo as usize, hi.max(lo) as usize)
 }
@@ -587,7 +609,7 @@ fn model_row(
         return None;
     }
     let g = h / (hq / hkv);
-    let (lo, hi) = visible(i, s.sq, s.sk, p.mask);
+    let (lo, hi) = visible(i, s.sq, s.sk, p.mask, p.chunk);
     let qrow = &s.q[(i * hq + h) * d..(i * hq + h + 1) * d];
     let diag = i as f64 + s.sk as f64 - s.sq as f64;
     let pre = scale.abs() <= 1.0;

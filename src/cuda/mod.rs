@@ -447,6 +447,15 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
             )))
         }
     };
+    // Chunked attention has no kernel yet (docs/decisions.md#chunked-attention): refused, never
+    // run as if unchunked. The problem's chunk is already canonical, so a chunk that cannot
+    // change any row's keys is `None` here and runs.
+    if let Some(c) = p.chunk {
+        return Err(candle_core::Error::Msg(format!(
+            "flashcore: chunk: chunked attention is not implemented on the GPU yet, got Some({c}) [{}]; use the CPU path (tensors on Device::Cpu) or attention_slow",
+            shape_str(p)
+        )));
+    }
     // The kernels mask with -inf raw scores and keep the row max of raw scores: that needs a
     // positive scale (0 turns masked scores into NaN, a negative one gives them weight +inf).
     // The scale is folded into the exponent of raw f32 scores (`GPU_MAX_SCALE` says why it is

@@ -111,8 +111,14 @@ pub fn reference_f64(
         for j in 0..sk {
             let diag = i as i64 + sk as i64 - sq as i64;
             let jj = j as i64;
+            // Chunked attention: the row's position and the key in the same chunk (floor
+            // division: a row at diag < 0 is in chunk -1, which holds no key).
             let ok = left.is_none_or(|l| jj >= diag - l as i64)
-                && right.is_none_or(|r| jj <= diag + r as i64);
+                && right.is_none_or(|r| jj <= diag + r as i64)
+                && p.chunk.is_none_or(|c| {
+                    let c = i64::try_from(c).unwrap_or(i64::MAX);
+                    diag.div_euclid(c) == jj.div_euclid(c)
+                });
             bias[i * sk + j] = if ok { 0.0 } else { f64::NEG_INFINITY };
             dist[i * sk + j] = (jj - diag).abs() as f64;
         }
@@ -272,6 +278,9 @@ pub fn opts_name(p: &AttnParams) -> String {
     }
     if p.sinks.is_some() {
         s += " sinks";
+    }
+    if let Some(c) = p.chunk {
+        s += &format!(" chunk{c}");
     }
     s
 }
