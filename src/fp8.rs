@@ -45,16 +45,11 @@ fn check_scale(name: &str, s: &Tensor, hkv: usize, kv: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// `x` (`(..., hkv, d)`, any float dtype) times its per-head `scale`, in f32.
-fn times_scale(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
-    let n = scale.dim(0)?;
-    let x = x.to_dtype(DType::F32)?;
-    x.broadcast_mul(&scale.reshape((n, 1))?)
-}
-
 /// `x` `(..., hkv, d)` in F8E4M3 read as f32: `stored * scale[head]`.
 pub(crate) fn dequantize(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
-    times_scale(x, scale)
+    let n = scale.dim(0)?;
+    x.to_dtype(DType::F32)?
+        .broadcast_mul(&scale.reshape((n, 1))?)
 }
 
 /// `x` `(..., hkv, d)` (f16, bf16, f32 or f64) stored as F8E4M3: `x / scale[head]`, saturated to

@@ -528,17 +528,9 @@ pub(crate) fn run_paged(
     params: &AttnParams,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    if let Some(s) = crate::fp8::kv_form(kv.k_pages, kv.v_pages, params)? {
-        // The whole pools, dequantized: the CPU path gathers the pages it reads from them.
-        let (q2, k2, v2, p) = crate::fp8::widened(q, kv.k_pages, kv.v_pages, s, params)?;
-        let wide = PagedKv {
-            k_pages: &k2,
-            v_pages: &v2,
-            ..*kv
-        };
-        let r = run_paged(&q2, &wide, packed_q, &p, want_lse)?;
-        return crate::fp8::restore(r, q.dtype());
-    }
+    // F8E4M3 pools (CPU only: `kv_form` refuses them on a GPU) stay in e4m3 through the gather
+    // below; `run_varlen` then dequantizes only the rows the sequences read.
+    crate::fp8::kv_form(kv.k_pages, kv.v_pages, params)?;
     let problem = validate_paged(
         q,
         kv.k_pages,

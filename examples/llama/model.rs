@@ -995,27 +995,18 @@ impl Rank {
         self.comm.as_deref()
     }
 
-    /// Token ids `(b, t)` (on the host) as a tensor on this rank's device. Built from host data,
-    /// never copied from rank 0's device: a read on another GPU's stream would queue behind that
-    /// rank's all-reduce, which waits for this rank.
-    fn local(&self, tokens: &[u32], shape: (usize, usize)) -> Result<Tensor> {
-        Ok(Tensor::from_slice(tokens, shape, &self.device)?)
-    }
-
-    /// Final hidden states `(b, t, hidden)` for `tokens` `(b, t)` u32 after `pos` cached
-    /// positions, K/V written into `layers`.
+    /// Final hidden states `(b, t, hidden)` for `tokens` `(b, t)` u32 (on this rank's device)
+    /// after `pos` cached positions, K/V written into `layers`.
     fn hidden(
         &self,
-        tokens: &[u32],
-        shape: (usize, usize),
+        tokens: &Tensor,
         layers: &mut [(Tensor, Tensor)],
         pos: usize,
         attn: AttnBackend,
         eps: f32,
     ) -> Result<Tensor> {
-        let tokens = self.local(tokens, shape)?;
-        let t = shape.1;
-        let mut x = self.embed.forward(&tokens)?;
+        let t = tokens.dim(1)?;
+        let mut x = self.embed.forward(tokens)?;
         // Built once per forward pass and shared by the layers.
         let eager_mask = match attn {
             AttnBackend::Eager => causal_mask(t, pos + t, &self.device)?,
@@ -1182,9 +1173,7 @@ impl Model {
         cache: &mut KvCache,
         out: impl Fn(&Rank, Tensor) -> Result<Option<Tensor>> + Sync,
     ) -> Result<Tensor> {
-        let shape = tokens.dims2()?;
-        let t = shape.1;
-        let host: Vec<u32> = tokens.flatten_all()?.to_vec1()?;
+        let (b, t) = tokens.dims2()?;
         let pos = cache.len;
         if cache.ranks.len() != self.ranks.len()
             || cache
@@ -1200,13 +1189,35 @@ impl Model {
                 self.cfg.num_hidden_layers
             )
         }
+        // Each rank's copy of the ids is built from host data, never copied from rank 0's
+        // device: a read on another GPU's stream would queue behind that rank's all-reduce,
+        // which waits for this rank. One rank uses the caller's tensor as it is.
+        let inputs = match self.ranks.len() {
+            1 => vec![tokens.clone()],
+            _ => {
+                let host: Vec<u32> = tokens.flatten_all()?.to_vec1()?;
+                self.ranks
+                    .iter()
+                    .map(|r| Ok(Tensor::from_slice(&host, (b, t), &r.device)?))
+                    .collect::<Result<Vec<_>>>()?
+            }
+        };
         let (attn, eps) = (self.attn, self.eps);
-        let mut work: Vec<(&Rank, &mut Vec<(Tensor, Tensor)>)> =
-            self.ranks.iter().zip(cache.ranks.iter_mut()).collect();
-        let outs = on_ranks(&mut work, self.ranks[0].comm(), |_, (rank, layers)| {
-            let x = rank.hidden(&host, shape, layers, pos, attn, eps)?;
-            out(rank, x)
-        })?;
+        let mut work: Vec<(&Rank, &Tensor, &mut Layers)> = self
+            .ranks
+            .iter()
+            .zip(&inputs)
+            .zip(cache.ranks.iter_mut())
+            .map(|((r, x), l)| (r, x, l))
+            .collect();
+        let outs = on_ranks(
+            &mut work,
+            self.ranks[0].comm(),
+            |_, (rank, tokens, layers)| {
+                let x = rank.hidden(tokens, layers, pos, attn, eps)?;
+                out(rank, x)
+            },
+        )?;
         cache.len = pos + t;
         first(outs)
     }

@@ -393,24 +393,26 @@ impl SumOp<'_> {
             bail!("all-reduce: the tensor must be contiguous")
         };
         let stream: Arc<CudaStream> = s.device.cuda_stream();
-        let (dtype, elem) = match s.dtype() {
-            DType::BF16 => (NCCL_BFLOAT16, 2),
-            DType::F16 => (NCCL_FLOAT16, 2),
-            DType::F32 => (NCCL_FLOAT32, 4),
-            other => bail!("all-reduce: dtype {other:?} is not supported (bf16, f16, f32)"),
-        };
-        let base = match s.dtype() {
+        let (dtype, elem, base) = match s.dtype() {
             DType::BF16 => {
-                s.as_cuda_slice_mut::<half::bf16>()?
+                let p = s
+                    .as_cuda_slice_mut::<half::bf16>()?
                     .device_ptr_mut(&stream)
-                    .0
+                    .0;
+                (NCCL_BFLOAT16, 2, p)
             }
             DType::F16 => {
-                s.as_cuda_slice_mut::<half::f16>()?
+                let p = s
+                    .as_cuda_slice_mut::<half::f16>()?
                     .device_ptr_mut(&stream)
-                    .0
+                    .0;
+                (NCCL_FLOAT16, 2, p)
             }
-            _ => s.as_cuda_slice_mut::<f32>()?.device_ptr_mut(&stream).0,
+            DType::F32 => {
+                let p = s.as_cuda_slice_mut::<f32>()?.device_ptr_mut(&stream).0;
+                (NCCL_FLOAT32, 4, p)
+            }
+            other => bail!("all-reduce: dtype {other:?} is not supported (bf16, f16, f32)"),
         };
         let ptr = (base + (start * elem) as u64) as *mut c_void;
         let group = &self.0.group;
