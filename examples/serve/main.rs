@@ -247,7 +247,7 @@ fn build_requests(args: &Args, tok: Option<&TextTokenizer>, vocab: usize) -> Res
 fn main() -> Result<()> {
     let args = Args::parse();
     args.tp.before_cuda(&args.run);
-    let (device, dtype) = args.run.device_and_dtype()?;
+    let (device, dtype) = args.run.device_and_dtype(args.tp.tp)?;
     let ranks = args.tp.ranks(&args.run, &device)?;
     let source = args.source.source()?;
     let t0 = std::time::Instant::now();
