@@ -135,7 +135,8 @@ impl FlashAttn {
         }
         // One sequence at a time: each is a batch of one at its own offsets and lengths.
         let (total_q, _) = p.totals();
-        let (hq, d) = (p.hq, p.d);
+        // Output rows are d_v wide.
+        let (hq, d) = (p.hq, p.dv);
         let mut out = vec![T::zero(); total_q * hq * d];
         // (b, hq, sq) or (hq, total_q): every head's rows start at its sink's LSE (-inf without)
         let mut lse = vec![f32::NEG_INFINITY; total_q * hq];
@@ -413,6 +414,9 @@ fn apply(
     extra: Extra,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    if !q.device().is_cpu() && problem.dv != problem.d {
+        return apply_padded(q, k, v, problem, extra, want_lse);
+    }
     let (q, k, v) = (&aligned(q)?, &aligned(k)?, &aligned(v)?);
     let problem = Problem {
         q_strides: strides_of(q),
@@ -436,6 +440,38 @@ fn apply(
         None
     };
     Ok((o, lse))
+}
+
+/// A problem with `d_v != d_qk` on a GPU (whose kernels take one head dim for q, k and v): the
+/// narrower side is copied with zero columns up to `D = max(d_qk, d_v)` ([`Problem::padded`]),
+/// the `D`-wide problem runs, and the output is narrowed back to its first `d_v` columns. Zero
+/// columns of q and k leave every `q . k` as it was, and the scale stays the one resolved from
+/// `d_qk`, so the scores, the softmax and the LSE are those of the unpadded problem; zero columns
+/// of v give output columns that are zero and dropped. The copies cost bandwidth
+/// (docs/decisions.md#separate-v-head-dim).
+fn apply_padded(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    problem: Problem,
+    extra: Extra,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let wide = problem.padded();
+    let pad = |t: &Tensor| -> Result<Tensor> {
+        let last = t.rank() - 1;
+        let d = t.dim(last)?;
+        if d == wide.d {
+            return Ok(t.clone());
+        }
+        let mut shape = t.dims().to_vec();
+        shape[last] = wide.d - d;
+        let zeros = Tensor::zeros(shape, t.dtype(), t.device())?;
+        Tensor::cat(&[t, &zeros], last)
+    };
+    let (o, lse) = apply(&pad(q)?, &pad(k)?, &pad(v)?, wide, extra, want_lse)?;
+    let last = o.rank() - 1;
+    Ok((o.narrow(last, 0, problem.dv)?.contiguous()?, lse))
 }
 
 /// Validates a dense batch and runs it.
@@ -599,9 +635,11 @@ fn cpu_paged(
             (page * page_size + j % page_size) as u32
         }));
     }
-    let (hkv, d) = (problem.hkv, problem.d);
+    let (hkv, d, dv) = (problem.hkv, problem.d, problem.dv);
     let gather = |pool: &Tensor| -> Result<Tensor> {
-        let flat = pool.reshape((num_pages * page_size, hkv, d))?;
+        // The K pool is d_qk wide, the V pool d_v.
+        let width = pool.dim(3)?;
+        let flat = pool.reshape((num_pages * page_size, hkv, width))?;
         if rows.is_empty() {
             return flat.narrow(0, 0, 0);
         }
@@ -637,7 +675,7 @@ fn cpu_paged(
                 max_k,
             };
             let (o, lse) = run_varlen(&qp, &k, &v, &seqs, params, want_lse)?;
-            let o = o.reshape((b, sq, hq, d))?;
+            let o = o.reshape((b, sq, hq, dv))?;
             let lse = lse
                 .map(|l| l.reshape((hq, b, sq))?.transpose(0, 1)?.contiguous())
                 .transpose()?;
@@ -872,10 +910,15 @@ pub(crate) fn append_kv_paged(
         // Every table value checked before either pool is written.
         op.slots = Some(op.host_slots()?);
     }
-    for (name, new, pool) in [("k_pages", k_new, k_pages), ("v_pages", v_new, v_pages)] {
+    // Each pool at its own head dim (d_qk for K, d_v for V).
+    for (name, new, pool, d) in [
+        ("k_pages", k_new, k_pages, g.d),
+        ("v_pages", v_new, v_pages, g.dv),
+    ] {
         let new = aligned(new)?;
         let op = AppendOp {
             name,
+            d,
             slots: op.slots.clone(),
             ..op
         };
