@@ -960,3 +960,71 @@ fn check_no_alias(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Mask;
+    use candle_core::Device;
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    /// What a GPU does with `d_v != d_qk` (zero padding to `max(d_qk, d_v)`, the padded problem,
+    /// the output narrowed back to `d_v`), run on the CPU path so that it is checked without a
+    /// GPU: the same O (to rounding) and LSE as the unpadded problem, default scale
+    /// `1 / sqrt(d_qk)` kept, dense and packed, with sinks and ALiBi.
+    #[test]
+    fn padded_problem_equals_unpadded() -> Result<()> {
+        let dev = Device::Cpu;
+        for (d, dv) in [(192, 128), (64, 128), (40, 24)] {
+            let (hq, hkv) = (4, 2);
+            let q = Tensor::randn(0f32, 1., (2, 37, hq, d), &dev)?;
+            let k = Tensor::randn(0f32, 1., (2, 50, hkv, d), &dev)?;
+            let v = Tensor::randn(0f32, 1., (2, 50, hkv, dv), &dev)?;
+            let p = AttnParams {
+                mask: Mask::Causal,
+                sinks: Some(Tensor::new(&[0.5f32, -1.0, 2.0, 0.0], &dev)?),
+                alibi_slopes: Some(Tensor::new(&[0.1f32, 0.2, 0.3, 0.4], &dev)?),
+                ..Default::default()
+            };
+            let extra = Extra {
+                alibi_slopes: p.alibi_slopes.clone(),
+                sinks: p.sinks.clone(),
+                ..Default::default()
+            };
+            let (o, l) = run(&q, &k, &v, &p, true)?;
+            let prob = validate(&q, &k, &v, &p)?;
+            let (po, pl) = apply_padded(&q, &k, &v, prob, extra.clone(), true)?;
+            assert_eq!(po.dims(), o.dims());
+            let (eo, el) = (max_diff(&o, &po)?, max_diff(&l.unwrap(), &pl.unwrap())?);
+            assert!(eo < 1e-5 && el < 1e-5, "dense d{d}/{dv}: O {eo}, LSE {el}");
+
+            // Packed: the same rows as sequences of 37 and 20 query rows, 50 and 9 keys.
+            let qp = q.reshape((74, hq, d))?.narrow(0, 0, 57)?;
+            let kp = k.reshape((100, hkv, d))?.narrow(0, 0, 59)?;
+            let vp = v.reshape((100, hkv, dv))?.narrow(0, 0, 59)?;
+            let cu_q = Tensor::new(&[0u32, 37, 57], &dev)?;
+            let cu_k = Tensor::new(&[0u32, 50, 59], &dev)?;
+            let seqs = Varlen {
+                cu_q: &cu_q,
+                cu_k: &cu_k,
+                max_q: 37,
+                max_k: 50,
+            };
+            let (o, l) = run_varlen(&qp, &kp, &vp, &seqs, &p, true)?;
+            let prob = validate_varlen(&qp, &kp, &vp, &cu_q, &cu_k, 37, 50, &p)?;
+            let extra = Extra {
+                cu_q: Some(cu_q.clone()),
+                cu_k: Some(cu_k.clone()),
+                ..extra
+            };
+            let (po, pl) = apply_padded(&qp, &kp, &vp, prob, extra, true)?;
+            assert_eq!(po.dims(), &[57, hq, dv]);
+            let (eo, el) = (max_diff(&o, &po)?, max_diff(&l.unwrap(), &pl.unwrap())?);
+            assert!(eo < 1e-5 && el < 1e-5, "packed d{d}/{dv}: O {eo}, LSE {el}");
+        }
+        Ok(())
+    }
+}
