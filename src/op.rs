@@ -467,7 +467,9 @@ fn apply_padded(
         let mut shape = t.dims().to_vec();
         shape[last] = wide.d - d;
         let zeros = Tensor::zeros(shape, t.dtype(), t.device())?;
-        Tensor::cat(&[t, &zeros], last)
+        // `cat` of views it cannot copy row by row returns a transposed view: the kernels need
+        // the head dim contiguous.
+        Tensor::cat(&[t, &zeros], last)?.contiguous()
     };
     let (o, lse) = apply(&pad(q)?, &pad(k)?, &pad(v)?, wide, extra, want_lse)?;
     let last = o.rank() - 1;
@@ -980,9 +982,10 @@ mod tests {
         let dev = Device::Cpu;
         for (d, dv) in [(192, 128), (64, 128), (40, 24)] {
             let (hq, hkv) = (4, 2);
-            let q = Tensor::randn(0f32, 1., (2, 37, hq, d), &dev)?;
-            let k = Tensor::randn(0f32, 1., (2, 50, hkv, d), &dev)?;
-            let v = Tensor::randn(0f32, 1., (2, 50, hkv, dv), &dev)?;
+            // Strided views: q a narrow of wider heads, k transposed in storage, v narrowed.
+            let q = Tensor::randn(0f32, 1., (2, 37, hq + 1, d), &dev)?.narrow(2, 1, hq)?;
+            let k = Tensor::randn(0f32, 1., (2, hkv, 50, d), &dev)?.transpose(1, 2)?;
+            let v = Tensor::randn(0f32, 1., (2, 50, hkv + 1, dv), &dev)?.narrow(2, 0, hkv)?;
             let p = AttnParams {
                 mask: Mask::Causal,
                 sinks: Some(Tensor::new(&[0.5f32, -1.0, 2.0, 0.0], &dev)?),
@@ -1001,10 +1004,10 @@ mod tests {
             let (eo, el) = (max_diff(&o, &po)?, max_diff(&l.unwrap(), &pl.unwrap())?);
             assert!(eo < 1e-5 && el < 1e-5, "dense d{d}/{dv}: O {eo}, LSE {el}");
 
-            // Packed: the same rows as sequences of 37 and 20 query rows, 50 and 9 keys.
-            let qp = q.reshape((74, hq, d))?.narrow(0, 0, 57)?;
-            let kp = k.reshape((100, hkv, d))?.narrow(0, 0, 59)?;
-            let vp = v.reshape((100, hkv, dv))?.narrow(0, 0, 59)?;
+            // Packed: sequences of 37 and 20 query rows, 50 and 9 keys; k transposed in storage.
+            let qp = q.contiguous()?.reshape((74, hq, d))?.narrow(0, 0, 57)?;
+            let kp = Tensor::randn(0f32, 1., (hkv, 59, d), &dev)?.transpose(0, 1)?;
+            let vp = v.contiguous()?.reshape((100, hkv, dv))?.narrow(0, 0, 59)?;
             let cu_q = Tensor::new(&[0u32, 37, 57], &dev)?;
             let cu_k = Tensor::new(&[0u32, 50, 59], &dev)?;
             let seqs = Varlen {
