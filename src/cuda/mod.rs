@@ -173,8 +173,10 @@ pub fn describe(
 ) -> Result<String> {
     let prob = crate::params::validate(q, k, v, p)?;
     let info = device_info(dev)?;
+    // d_v != d_qk runs zero-padded to max(d_qk, d_v) (op::apply_padded).
+    let (prob, pad) = padded_note(prob);
     let v = choose(&prob, &info)?;
-    Ok(v.symbol() + &route_note(&prob, v, &info))
+    Ok(pad + &v.symbol() + &route_note(&prob, v, &info))
 }
 
 /// For a split-KV decode: `" (clusters of N)"` when it launches in clusters (`decode_cluster`),
@@ -221,22 +223,35 @@ pub fn describe_paged(
     let prob =
         crate::params::validate_paged(q, k_pages, v_pages, page_table, seqlens_k, packed_q, p)?;
     let info = device_info(dev)?;
+    let (prob, pad) = padded_note(prob);
     let v = choose(&prob, &info)?;
     if v.kind == KKind::Decode {
-        return Ok(v.symbol() + &route_note(&prob, v, &info));
+        return Ok(pad + &v.symbol() + &route_note(&prob, v, &info));
     }
-    Ok(match page_box(v, &prob) {
-        Some(rows) => format!(
-            "{}{} (in-kernel, {rows}-row boxes)",
-            v.symbol(),
-            route_note(&prob, v, &info)
-        ),
-        None => {
-            let mut used = prob.clone();
-            used.keys = Keys::Used;
-            format!("gathered, then {}", choose(&used, &info)?.symbol())
-        }
-    })
+    Ok(pad
+        + &match page_box(v, &prob) {
+            Some(rows) => format!(
+                "{}{} (in-kernel, {rows}-row boxes)",
+                v.symbol(),
+                route_note(&prob, v, &info)
+            ),
+            None => {
+                let mut used = prob.clone();
+                used.keys = Keys::Used;
+                format!("gathered, then {}", choose(&used, &info)?.symbol())
+            }
+        })
+}
+
+/// The problem a GPU launches for `p`: itself, or with `d_v != d_qk` the zero-padded one
+/// ([`Problem::padded`]) and the prefix `"padded to d=D, then "` for the route descriptions.
+fn padded_note(p: Problem) -> (Problem, String) {
+    if p.dv == p.d {
+        return (p, String::new());
+    }
+    let wide = p.padded();
+    let note = format!("padded to d={}, then ", wide.d);
+    (wide, note)
 }
 
 /// Rows per TMA box when prefill kernel `v` reads paged problem `p`'s pool through the page table
@@ -935,6 +950,14 @@ pub(crate) fn forward(
     // Validation dropped every window bound no row can reach (left >= sk, right >= sq), so the
     // bounds fit the kernels' int32 band arithmetic and Window{huge, 0} runs the causal kernel.
     debug_assert_eq!(p.mask, crate::params::normalise_mask(p.mask, p.sq, p.sk));
+    if p.dv != p.d {
+        // op::apply pads such problems to one head dim before they reach a kernel.
+        candle_core::bail!(
+            "flashcore: internal: a GPU launch needs d_v == d_qk, got {} and {}",
+            p.dv,
+            p.d
+        )
+    }
     let variant = choose(p, &device_info(&dev)?)?;
     match p.dtype {
         DType::BF16 => run_typed::<bf16>(&dev, p, variant, extra, q, k, v, want_lse),
