@@ -2,7 +2,7 @@
 # the grids of examples/bench and sdpa_anchor.py, in the same call as the code under test.
 # This copy extends ../shared/bench/fa4_anchor.py with the sinks grid; it imports sdpa_anchor,
 # so run it from a directory holding both (e.g. cp it into the .device dir that pack.sh makes).
-#   python3 scripts/fa4_anchor.py [--grid fa3,seeds,llama,paged,mixed,sinks] [--dtype bf16|f16] [--json FILE] [--head-dims 80,96]
+#   python3 scripts/fa4_anchor.py [--grid fa3,seeds,llama,paged,mixed,sinks,dv] [--dtype bf16|f16] [--json FILE] [--head-dims 80,96]
 # Needs the wheels staged by stage-fa4.sh (PYTHONPATH set by its install line). The first call of
 # each (d, causal, paged) configuration JIT-compiles for a few seconds; timing starts after it.
 # TFLOPS and GB/s are computed exactly as in sdpa_anchor.py. The "paged" grid reads K/V through a
@@ -11,6 +11,8 @@
 # its TFLOPS count each sequence's own causal work. Decode rows (seq_q 1) and the paged grid pass
 # num_splits=0 (FA4's split heuristic, as a serving engine would); prefill keeps FA4's default.
 # On sm90 FA4 has no split-KV (measured 2026-11-24): those rows fall back to one split and say so.
+# The "dv" grid is examples/bench's DeepSeek prefill (q/k head dim 192, v 128, 16 heads, 16k tokens per
+# call); its FLOPs count 2 * (192 + 128) per visible pair.
 # The "sinks" grid is examples/bench's: gpt-oss attention (d64, 64/8 heads, 32k tokens per call,
 # 4k..32k) with a learnable sink per head (FA4's learnable_sink, random values), causal and a
 # causal 128-key window (window_size=(127, 0)); TFLOPS of a windowed row count the keys each row
@@ -40,9 +42,17 @@ def grid(name):
         for w in (None, 127):
             for s in (4096, 8192, 16384, 32768):
                 yield (32768 // s, 64, 8, s, s, 64, True, 0, w)
+    elif name == "dv":
+        # DeepSeek-V3 prefill head dims: q/k 192, v 128 (DV below); 16 heads; 16k tokens per call
+        for c in (False, True):
+            for s in (1024, 2048, 4096, 8192, 16384):
+                yield (16384 // s, 16, 16, s, s, 192, c, 0, None)
     else:
         for row in dense_grid(name):
             yield row + (0, None)
+
+# V's head dim per grid where it differs from q/k's
+DV = {"dv": 128}
 
 def window_flops(b, hq, sq, sk, d, w):
     # each query row i sees keys [i + sk - sq - w, i + sk - sq] within [0, sk) (bottom-right)
@@ -79,7 +89,8 @@ def main():
                 out.write(json.dumps(rec) + "\n"); print(f"mixed 64 seqs {sum(lens)} tokens d{d} c{int(c)}: {ms*1e3:9.1f} us {rec['tflops']:6.1f} T", flush=True)
                 continue
             q = torch.randn(b, sq, hq, d, device="cuda", dtype=dt)
-            rec = dict(kind="fa4", grid=g, backend="fa4", dtype=a.dtype, b=b, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, causal=c, page=page, window=w, sinks=g == "sinks")
+            dv = DV.get(g, d)
+            rec = dict(kind="fa4", grid=g, backend="fa4", dtype=a.dtype, b=b, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, dv=dv, causal=c, page=page, window=w, sinks=g == "sinks")
             # the sinks grid's options: a sink logit per query head, the window as (left, right)
             kw = {}
             if g == "sinks":
@@ -99,7 +110,7 @@ def main():
                     kv_bytes = kc.numel() + vc.numel()
                 else:
                     k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dt)
-                    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dt)
+                    v = torch.randn(b, sk, hkv, dv, device="cuda", dtype=dt)
                     fn = lambda: flash_attn_func(q, k, v, causal=c, num_splits=0 if sq == 1 else 1, **kw)
                     kv_bytes = k.numel() + v.numel()
                 t0 = time.time()
@@ -128,6 +139,7 @@ def main():
                 continue
             us = ms * 1e3
             fl = window_flops(b, hq, sq, sk, d, w) if w is not None else flops(b, hq, sq, sk, d, c)
+            fl = fl * (d + dv) / (2 * d)  # the scores take d per pair, the values dv
             rec.update(us=us, tflops=fl / us / 1e6,
                        gbps=(2 * q.numel() + kv_bytes) * q.element_size() / us / 1e3, first_call_s=jit)
             out.write(json.dumps(rec) + "\n")
