@@ -521,6 +521,15 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
     }
     candidates.push(("sm80", KKind::Fwd));
     let splits = kv_splits(p, info.sm_count);
+    // The sm90 window kernels take windows with a right bound (kernels/sm90/fwd.cuh `WINDOW`), on
+    // the dynamic tile schedule only: a windowed query tile walks a few key tiles, and one CTA
+    // per tile (the static grid past 32 query blocks) ran 0.88x the sm80 kernels there, where the
+    // persistent dynamic grid ran 1.38x (docs/decisions.md#sm90-windows).
+    let sm90_window_ok = |v: &Variant| {
+        kernel_bound(p.window().1, p.sq) >= 0
+            && sm90_dynamic(v, p.mask, p.sq.div_ceil(v.block_m as usize))
+            && !causal_static()
+    };
     let mut missing = Vec::new();
     let mut too_big = Vec::new();
     for (family, kind) in candidates {
@@ -541,11 +550,13 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
                 || (v.narrow > 0 && p.d > v.narrow as usize)
                 || (v.paged && !(twin_pages && p.d == v.head_dim as usize))
                 || (v.kv_split && splits < 2)
+                || (v.family == "sm90" && matches!(v.mask, KMask::Local) && !sm90_window_ok(v))
             {
                 // a later entry serves longer queries, the problem's softcap choice
                 // (`Variant::admits`: softcap twins, kernels with a general body), small
                 // problems (`Variant::serves_grid`), head dims wider than a narrow twin's, problems
-                // other than a paged twin's, or grids that fill the GPU without a key split
+                // other than a paged twin's, grids that fill the GPU without a key split, or
+                // windows the sm90 window kernels do not take
                 continue;
             } else {
                 return Ok(v);
