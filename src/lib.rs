@@ -96,6 +96,7 @@
 //! functions, in a backward pass returns `candle_core::Error::BackwardNotSupported`.
 
 mod cache;
+mod chunk;
 mod fp8;
 mod knobs;
 mod merge;
