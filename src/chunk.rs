@@ -247,8 +247,9 @@ pub(crate) struct PagedPlan {
 
 /// The pieces of a paged problem. The tables (and packed q's prefix sums) are read to the host
 /// (one device-to-host copy on a GPU) and checked there ([`check_pages`]). A piece starts at key
-/// `n c` of its sequence, which must be the first key of a page: an error naming `chunk`
-/// otherwise.
+/// `n c` of its sequence, which must be the first key of a page: `c` must be a multiple of the
+/// page size (an error naming `chunk` otherwise, whatever the lengths, so that a call does not
+/// start failing once a sequence grows past its first chunk).
 pub(crate) fn paged_plan(
     q: &Tensor,
     kv: &PagedKv,
@@ -265,6 +266,11 @@ pub(crate) fn paged_plan(
     else {
         candle_core::bail!("flashcore: internal: paged chunk plan without pages")
     };
+    if !c.is_multiple_of(page_size) {
+        candle_core::bail!(
+            "flashcore: chunk: must be a multiple of page_size ({page_size}) with a paged cache on a GPU (chunked attention runs as pieces that start at chunk boundaries, which must be page boundaries), got {c}"
+        )
+    }
     let table = kv.page_table.flatten_all()?.to_vec1::<u32>()?;
     let seqlens = kv.seqlens_k.to_vec1::<u32>()?;
     let lens = check_pages(&table, &seqlens, page_size, num_pages, max_pages)?;
@@ -279,15 +285,7 @@ pub(crate) fn paged_plan(
     };
     let mut plan = Plan::new();
     for (s, (&sq, &sk)) in rows.iter().zip(&lens).enumerate() {
-        for p in pieces(sq, sk, c, false) {
-            if p.nk > 0 && !p.k0.is_multiple_of(page_size) {
-                candle_core::bail!(
-                    "flashcore: chunk: a paged cache runs chunked attention as pieces that start at a chunk's first key, which must be the first key of a page (chunk a multiple of page_size = {page_size}); sequence {s} has query rows in the chunk starting at key {}, got chunk {c}",
-                    p.k0
-                )
-            }
-            plan.push((s as u32, p));
-        }
+        plan.extend(pieces(sq, sk, c, false).into_iter().map(|p| (s as u32, p)));
     }
     if plan.is_empty() {
         plan.push((

@@ -744,7 +744,10 @@ mod gpu {
             .run_varlen(&vl, &p)
             .expect_err("chunk 24, pages of 16")
             .to_string();
-        assert!(names(&e, "chunk") && e.contains("page_size = 16"), "{e}");
+        assert!(
+            names(&e, "chunk") && e.contains("page_size (16)") && e.contains("got 24"),
+            "{e}"
+        );
         Ok(())
     }
 }

@@ -315,7 +315,7 @@ fn paged_cache(
 /// Paged caches with shuffled pages, packed q (with the sequences of [`LENS`]) and dense q
 /// (decode: one piece per sequence, q stays dense; several rows: packed pieces): the one paged
 /// call over the pieces against the CPU path's chunk. A chunk that is not a multiple of the page
-/// size is an error naming `chunk` and the page size once a piece would start inside a page.
+/// size is an error naming `chunk` and the page size.
 #[test]
 fn paged_pieces_match_the_cpu_chunk() -> Result<()> {
     let (hq, hkv, d, ps) = (4, 2, 16, 8);
@@ -371,7 +371,7 @@ fn paged_pieces_match_the_cpu_chunk() -> Result<()> {
             }
         }
     }
-    // Not a multiple of the page size: refused where a piece starts inside a page.
+    // Not a multiple of the page size.
     let p = opts(Mask::Causal, 12, 0, LENS.len(), hq)?;
     let packed_q = Some((&cu_q, 113));
     let prob = validate_paged(&q, &kp, &vp, &table, &seqlens, packed_q, &p)?;
@@ -379,7 +379,7 @@ fn paged_pieces_match_the_cpu_chunk() -> Result<()> {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("chunk:") && e.contains("page_size = 8") && e.contains("got chunk 12"),
+        e.contains("chunk:") && e.contains("page_size (8)") && e.contains("got 12"),
         "{e}"
     );
     Ok(())
