@@ -26,7 +26,7 @@
 //! [`Mask::Causal`]. A query row that sees no key (possible when `seq_q > seq_k` under a causal mask) outputs zeros
 //! and its log-sum-exp is `-inf`; never NaN. `AttnParams::chunk = Some(c)` (chunked attention)
 //! further limits the row at position `p = i + seq_k - seq_q` to keys
-//! `floor(p / c) * c <= j < (floor(p / c) + 1) * c`; CPU path only for now.
+//! `floor(p / c) * c <= j < (floor(p / c) + 1) * c` (on a GPU as pieces of unchunked attention).
 //!
 //! ## Packed batches of different lengths
 //! [`attention_varlen`] takes sequences packed along the rows, `q` `(total_q, heads_q, head_dim)`
@@ -96,6 +96,7 @@
 //! functions, in a backward pass returns `candle_core::Error::BackwardNotSupported`.
 
 mod cache;
+mod chunk;
 mod fp8;
 mod knobs;
 mod merge;

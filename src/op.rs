@@ -489,6 +489,10 @@ pub(crate) fn run(
         return crate::fp8::restore(run(&q2, &k2, &v2, &p, want_lse)?, q.dtype());
     }
     let problem = validate(q, k, v, params)?;
+    if problem.chunk.is_some() && !q.device().is_cpu() {
+        // No kernel takes a chunk: it runs as pieces (docs/decisions.md#chunked-attention).
+        return crate::chunk::dense(q, k, v, &problem, params, want_lse);
+    }
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
         sinks: params.sinks.clone(),
@@ -536,6 +540,9 @@ pub(crate) fn run_varlen(
     if total_q == 0 || total_k == 0 {
         // Nothing to attend: every row (if any) sees no key.
         return empty_answer(q, k, v, &problem, params.sinks.as_ref(), want_lse);
+    }
+    if problem.chunk.is_some() && !q.device().is_cpu() {
+        return crate::chunk::varlen(q, k, v, seqs, &problem, params, want_lse);
     }
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
@@ -591,6 +598,9 @@ pub(crate) fn run_paged(
             params.sinks.as_ref(),
             want_lse,
         );
+    }
+    if problem.chunk.is_some() {
+        return crate::chunk::paged(q, kv, packed_q, &problem, params, want_lse);
     }
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),

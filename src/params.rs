@@ -85,8 +85,9 @@ pub struct AttnParams {
     /// `p = i + seq_k - seq_q` (per sequence for packed and paged batches) sees only keys in
     /// `[floor(p / c) * c, (floor(p / c) + 1) * c)`, intersected with the mask. A row with
     /// `p < 0` (more query rows than keys) lies in chunk -1 and sees no key. `c` must be >= 1.
-    /// CPU path and [`crate::attention_slow`] only for now: the GPU kernels refuse it with an
-    /// error (docs/decisions.md#chunked-attention).
+    /// On a GPU it runs as pieces of unchunked attention (one call per chunk for dense batches;
+    /// packed and paged tables are read on the host, and a paged cache needs chunks that start
+    /// on a page): docs/decisions.md#chunked-attention.
     pub chunk: Option<usize>,
     /// The scales of F8E4M3 keys and values (an FP8 KV cache): required when k/v are
     /// `DType::F8E4M3`, refused otherwise. CPU only for now: the GPU kernels refuse FP8 K/V with

@@ -172,6 +172,10 @@ pub fn describe(
     v: &Tensor,
 ) -> Result<String> {
     let prob = crate::params::validate(q, k, v, p)?;
+    if prob.chunk.is_some() {
+        // Chunked attention runs as pieces (chunk::dense): each piece's route.
+        return crate::chunk::describe_dense(dev, p, q, k, v, &prob);
+    }
     let info = device_info(dev)?;
     // d_v != d_qk runs zero-padded to max(d_qk, d_v) (op::apply_padded).
     let (prob, pad) = padded_note(prob);
@@ -222,6 +226,29 @@ pub fn describe_paged(
 ) -> Result<String> {
     let prob =
         crate::params::validate_paged(q, k_pages, v_pages, page_table, seqlens_k, packed_q, p)?;
+    if prob.chunk.is_some() {
+        // Chunked attention runs as one paged call over pieces (chunk::paged_plan).
+        let kv = crate::op::PagedKv {
+            k_pages,
+            v_pages,
+            page_table,
+            seqlens_k,
+        };
+        let plan = crate::chunk::paged_plan(q, &kv, packed_q, &prob, p)?;
+        let packed = plan.packed_q.as_ref().map(|(cu, m)| (cu, *m));
+        let route = describe_paged(
+            dev,
+            &plan.params,
+            &plan.q,
+            k_pages,
+            v_pages,
+            &plan.page_table,
+            &plan.seqlens_k,
+            packed,
+        )?;
+        let c = prob.chunk.unwrap_or(0);
+        return Ok(crate::chunk::route_summary(c, plan.pieces, &[route]));
+    }
     let info = device_info(dev)?;
     let (prob, pad) = padded_note(prob);
     let v = choose(&prob, &info)?;
@@ -462,12 +489,12 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
             )))
         }
     };
-    // Chunked attention has no kernel yet (docs/decisions.md#chunked-attention): refused, never
-    // run as if unchunked. The problem's chunk is already canonical, so a chunk that cannot
-    // change any row's keys is `None` here and runs.
+    // No kernel takes a chunk: op runs a problem whose chunk survived normalisation as pieces
+    // of ordinary attention (src/chunk.rs, docs/decisions.md#chunked-attention), never as if
+    // unchunked.
     if let Some(c) = p.chunk {
         return Err(candle_core::Error::Msg(format!(
-            "flashcore: chunk: chunked attention is not implemented on the GPU yet, got Some({c}) [{}]; use the CPU path (tensors on Device::Cpu) or attention_slow",
+            "flashcore: internal: chunk Some({c}) reached a kernel launch [{}]; chunked problems run as pieces",
             shape_str(p)
         )));
     }
