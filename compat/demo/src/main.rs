@@ -21,7 +21,8 @@ use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 use candle_transformers::models::{
-    gemma, gemma2, gemma3, gemma4, helium, llama, mistral, quantized_phi3, qwen2, qwen3,
+    gemma, gemma2, gemma3, gemma4, granite, helium, llama, mistral, mixtral, quantized_phi3, qwen2,
+    qwen3, stable_lm,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -128,6 +129,59 @@ impl Lm for Llama {
     }
 }
 
+struct Granite {
+    model: granite::Granite,
+    cfg: granite::Config,
+    cache: granite::Cache,
+    dtype: DType,
+    dev: Device,
+}
+impl Lm for Granite {
+    fn step(&mut self, ids: &Tensor, pos: usize) -> Result<Tensor> {
+        Ok(self
+            .model
+            .forward(ids, pos, &mut self.cache)?
+            .flatten_all()?)
+    }
+    fn reset(&mut self) -> Result<()> {
+        self.cache = granite::Cache::new(true, self.dtype, &self.cfg, &self.dev)?;
+        Ok(())
+    }
+}
+
+/// A model without a KV-cache reset (mixtral, stable_lm): `reset` builds it again from the
+/// shared weights (the same tensors, converted to the model's dtype again), outside the timed
+/// region.
+struct Rebuilt<M> {
+    make: Box<dyn Fn() -> Result<M>>,
+    model: M,
+    forward: fn(&mut M, &Tensor, usize) -> candle_core::Result<Tensor>,
+}
+impl<M> Rebuilt<M> {
+    fn new(
+        make: Box<dyn Fn() -> Result<M>>,
+        forward: fn(&mut M, &Tensor, usize) -> candle_core::Result<Tensor>,
+    ) -> Result<Self> {
+        let model = make()?;
+        Ok(Self {
+            make,
+            model,
+            forward,
+        })
+    }
+}
+impl<M> Lm for Rebuilt<M> {
+    fn step(&mut self, ids: &Tensor, pos: usize) -> Result<Tensor> {
+        Ok((self.forward)(&mut self.model, ids, pos)?
+            .flatten_all()?
+            .to_dtype(DType::F32)?)
+    }
+    fn reset(&mut self) -> Result<()> {
+        self.model = (self.make)()?;
+        Ok(())
+    }
+}
+
 macro_rules! cached_model {
     ($name:ident, $ty:ty) => {
         struct $name($ty);
@@ -185,6 +239,42 @@ fn mistral_cfg(layers: usize, flash: bool, sliding_window: usize) -> mistral::Co
     c.num_hidden_layers = layers;
     c.sliding_window = Some(sliding_window);
     c
+}
+
+fn granite_cfg(layers: usize) -> Result<granite::GraniteConfig> {
+    // IBM Granite 3.x 8B (granite-3.3-8b's config.json): 4096 hidden, 32/8 heads, d128. candle's
+    // granite has no attention/embedding/residual multipliers or logits scaling (both of its
+    // paths alike).
+    Ok(serde_json::from_value(json!({
+        "hidden_size": 4096, "intermediate_size": 12800, "vocab_size": 49159,
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000000.0, "bos_token_id": 0, "eos_token_id": 0,
+        "rope_scaling": null, "max_position_embeddings": 131072
+    }))?)
+}
+
+fn mixtral_cfg(layers: usize, flash: bool) -> Result<mixtral::Config> {
+    // mistralai/Mixtral-8x7B-v0.1 (candle's v0_1_8x7b preset, whose fields are crate-private:
+    // built from JSON to set the layer count): 8 experts, 2 per token, 32/8 heads, d128
+    Ok(serde_json::from_value(json!({
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6, "sliding_window": 4096, "num_experts_per_tok": 2,
+        "num_local_experts": 8, "use_flash_attn": flash
+    }))?)
+}
+
+fn stable_lm_cfg(layers: usize, flash: bool) -> Result<stable_lm::Config> {
+    // stabilityai/stablelm-3b-4e1t (candle's preset, from JSON for the layer count): 32 heads
+    // of d80, a quarter of each rotated
+    Ok(serde_json::from_value(json!({
+        "vocab_size": 50304, "intermediate_size": 6912, "hidden_size": 2560,
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "hidden_act": "silu", "partial_rotary_factor": 0.25, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "layer_norm_eps": 1e-5, "use_cache": true,
+        "use_flash_attn": flash
+    }))?)
 }
 
 fn gemma_cfg(layers: usize) -> Result<gemma::Config> {
@@ -570,7 +660,7 @@ fn compare(
 
 /// Every model the demo runs (`--models`' default).
 const DEMO_MODELS: &str =
-    "llama,mistral,mistral-sw32,gemma,gemma2,gemma3,gemma4,helium,phi3,qwen2,qwen3";
+    "llama,mistral,mistral-sw32,mixtral,gemma,gemma2,gemma3,gemma4,granite,helium,stable_lm,phi3,qwen2,qwen3";
 
 /// The 20 files of candle-transformers 0.11.1 that call `candle_flash_attn` (all of them only
 /// `flash_attn(q, k, v, scale, causal)`): the demo entry that runs each, or why none does.
@@ -579,19 +669,19 @@ const COVERAGE: [(&str, &str, &str); 20] = [
     ("gemma2.rs", "gemma2", ""),
     ("gemma3.rs", "gemma3", ""),
     ("gemma4/text.rs", "gemma4", ""),
-    ("granite.rs", "", "text LLM (llama-like, its own Cache type): not wired into the demo yet"),
+    ("granite.rs", "granite", ""),
     ("granitemoehybrid.rs", "", "hybrid Mamba-2 + attention MoE LLM: not wired into the demo yet"),
     ("helium.rs", "helium", ""),
     ("lfm2.rs", "", "hybrid short-convolution + attention LLM: not wired into the demo yet"),
     ("llama.rs", "llama", ""),
     ("mimi/transformer.rs", "", "audio codec (the transformer inside Mimi's encoder/decoder): needs the codec's convolution stack and audio input, not set up"),
     ("mistral.rs", "mistral", ""),
-    ("mixtral.rs", "", "MoE LLM without a KV-cache reset (the demo's repeated runs need one): not wired in yet"),
+    ("mixtral.rs", "mixtral", ""),
     ("mmdit/blocks.rs", "", "diffusion transformer (Stable Diffusion 3's MMDiT; latents, timestep and text-encoder conditioning): too big to set up here"),
     ("quantized_phi3.rs", "phi3", ""),
     ("qwen3.rs", "qwen3", ""),
     ("stable_diffusion/attention.rs", "", "diffusion UNet's attention blocks (needs the UNet, VAE and text encoder): too big to set up here"),
-    ("stable_lm.rs", "", "text LLM without a KV-cache reset (as mixtral): not wired in yet"),
+    ("stable_lm.rs", "stable_lm", ""),
     ("voxtral/voxtral_llama.rs", "", "audio LLM (Voxtral's decoder behind its audio encoder): not set up"),
     ("wuerstchen/attention_processor.rs", "", "diffusion (Wuerstchen's prior/decoder attention): too big to set up here"),
     ("z_image/transformer.rs", "", "diffusion transformer (Z-Image): too big to set up here"),
@@ -747,6 +837,65 @@ fn main() -> Result<()> {
                 let runs = pair(ms, &prompt, g, args.reps, &dev)?;
                 let what = format!("Gemma-7B, {nl} layers, 16 heads, d256");
                 compare("gemma", &what, dt, &runs, here, "")
+            }
+            "granite" => {
+                let gc = granite_cfg(nl)?;
+                let prompt = prompt_ids(p, gc.vocab_size, args.seed);
+                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                for flash in [true, false] {
+                    let cfg = gc.clone().into_config(flash);
+                    let model = granite::Granite::load(var_builder(&w, dtype, &dev), &cfg)?;
+                    let cache = granite::Cache::new(true, dtype, &cfg, &dev)?;
+                    ms.push(Box::new(Granite {
+                        model,
+                        cfg,
+                        cache,
+                        dtype,
+                        dev: dev.clone(),
+                    }));
+                }
+                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                let what = format!("Granite-3.x-8B, {nl} layers, 32/8 heads, d128");
+                compare("granite", &what, dt, &runs, here, "")
+            }
+            "mixtral" | "stable_lm" => {
+                let vocab = if name == "mixtral" { 32000 } else { 50304 };
+                let prompt = prompt_ids(p, vocab, args.seed);
+                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                for flash in [true, false] {
+                    let (w, dev) = (w.clone(), dev.clone());
+                    if name == "mixtral" {
+                        let cfg = mixtral_cfg(nl, flash)?;
+                        let make = move || -> Result<mixtral::Model> {
+                            Ok(mixtral::Model::new(&cfg, var_builder(&w, dtype, &dev))?)
+                        };
+                        ms.push(Box::new(Rebuilt::new(Box::new(make), |m, x, p| {
+                            m.forward(x, p)
+                        })?));
+                    } else {
+                        let cfg = stable_lm_cfg(nl, flash)?;
+                        let make = move || -> Result<stable_lm::Model> {
+                            Ok(stable_lm::Model::new(&cfg, var_builder(&w, dtype, &dev))?)
+                        };
+                        ms.push(Box::new(Rebuilt::new(Box::new(make), |m, x, p| {
+                            m.forward(x, p)
+                        })?));
+                    }
+                }
+                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                let what = if name == "mixtral" {
+                    format!("Mixtral-8x7B, {nl} layers, 8 experts (2 per token), 32/8 heads, d128")
+                } else {
+                    format!("StableLM-3B-4E1T, {nl} layers, 32 heads, d80")
+                };
+                compare(
+                    name,
+                    &what,
+                    dt,
+                    &runs,
+                    here,
+                    "no KV-cache reset in the model: rebuilt from the same weights before each run (untimed)",
+                )
             }
             "helium" => {
                 let prompt = prompt_ids(p, 48000, args.seed);
