@@ -548,10 +548,9 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
     }
     candidates.push(("sm80", KKind::Fwd));
     let splits = kv_splits(p, info.sm_count);
-    // The sm90 window kernels take windows with a right bound (kernels/sm90/fwd.cuh `WINDOW`), on
-    // the dynamic tile schedule only: a windowed query tile walks a few key tiles, and one CTA
-    // per tile (the static grid past 32 query blocks) ran 0.88x the sm80 kernels there, where the
-    // persistent dynamic grid ran 1.38x (docs/decisions.md#sm90-windows).
+    // The sm90 window kernels take windows with a right bound (kernels/sm90/fwd.cuh `WINDOW`), and
+    // only where the dynamic tile schedule applies: a windowed query tile walks a few key tiles, so
+    // one CTA per tile spends its time starting up (docs/decisions.md#sm90-windows).
     let sm90_window_ok = |v: &Variant| {
         kernel_bound(p.window().1, p.sq) >= 0
             && sm90_dynamic(v, p.mask, p.sq.div_ceil(v.block_m as usize))
