@@ -299,9 +299,10 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     pdl_wait();               // inputs of a preceding kernel (no-op without PDL)
     pdl_launch_dependents();  // let the combine grid get scheduled early (it waits for our completion)
     T* sQ = reinterpret_cast<T*>(fc_decode_smem);
-    // S stages of [K tile BN x D][V tile BN x D] of KV elements; F8: then the widened K, V tiles
-    unsigned char* sKV = fc_decode_smem + BM * D * 2;
-    T* sKw = reinterpret_cast<T*>(sKV + 2 * S * BN * D * KB);
+    // S stages of [K tile BN x D][V tile BN x D] of KV elements (addressed in units of T, as
+    // the 16-bit kernels always were); F8: then the widened K and V tiles
+    T* sKV = sQ + BM * D;
+    T* sKw = sKV + S * BN * D * KB;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, t4 = lane & 3;
@@ -369,7 +370,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
 
     const int dch = p.d / 8;
-    const int kdch = p.d / KEL;  // F8: the host passes p.d % 16 == 0
+    const int kdch = F8 ? p.d / KEL : dch;  // F8: the host passes p.d % 16 == 0
     const int rows_here = min(BM, rows_total - r0);
     const int mtiles = (rows_here + 15) >> 4;
     int WM = 1;
@@ -512,12 +513,20 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         ko = page * p.k_batch_stride + (int64_t)slot * ksr;
         vo = page * p.v_batch_stride + (int64_t)slot * vsr;
     };
-    // smem byte offset of (row, 16-byte chunk) in a ring tile: swizzled 16-bit tiles, row-major
-    // byte tiles (F8: each thread reads back only what it copied, see the widening below)
-    auto kv_at = [](int row, int ch) { return F8 ? row * D + ch * 16 : 2 * swz<D>(row, ch); };
+    // Shared address of (row, 16-byte chunk) in a ring tile: swizzled 16-bit tiles, row-major
+    // byte tiles (F8: each thread reads back only what it copied, see the widening below). The
+    // 16-bit kernels keep their pointer arithmetic (computed from byte offsets, d64 local
+    // spilled 8 B on sm_80).
+    auto at = [](T* tile, int row, int ch) {
+        if constexpr (F8) {
+            return smem_u32(reinterpret_cast<unsigned char*>(tile) + row * D + ch * 16);
+        } else {
+            return smem_u32(tile + swz<D>(row, ch));
+        }
+    };
     auto load_tile = [&](int t, int slot) {
-        const uint32_t sK = smem_u32(sKV + slot * (2 * BN * D * KB));
-        const uint32_t sV = sK + BN * D * KB;
+        T* sK = sKV + slot * (BN * D * KB);  // 2 * BN * D * KB bytes per slot
+        T* sV = sK + BN * D * KB / 2;
         const int ch = tid % KCPR;
         const int row0 = tid / KCPR;
         const int key0 = t * BN + row0;
@@ -544,8 +553,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 for (int it = 0; it < BN * KCPR / THREADS; ++it) {
                     const int row = rf + it * STEP;
                     const bool ok = t * BN + row < sk && ch < kdch;
-                    cp_async16<PF>(sK + kv_at(row, ch), ok ? kpi : kg, ok);
-                    cp_async16<PF>(sV + kv_at(row, ch), ok ? vpi : vg, ok);
+                    cp_async16<PF>(at(sK, row, ch), ok ? kpi : kg, ok);
+                    cp_async16<PF>(at(sV, row, ch), ok ? vpi : vg, ok);
                     kpi += STEP * ksr;
                     vpi += STEP * vsr;
                 }
@@ -593,8 +602,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 const int slot = __shfl_sync(0xffffffffu, my_slot, src);
                 const KV* kp = ok ? kg + page * p.k_batch_stride + (int64_t)slot * ksr + ch * KEL : kg;
                 const KV* vp = ok ? vg + page * p.v_batch_stride + (int64_t)slot * vsr + ch * KEL : vg;
-                cp_async16<PF>(sK + kv_at(row, ch), kp, ok);
-                cp_async16<PF>(sV + kv_at(row, ch), vp, ok);
+                cp_async16<PF>(at(sK, row, ch), kp, ok);
+                cp_async16<PF>(at(sV, row, ch), vp, ok);
             }
             return;
         }
@@ -606,8 +615,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             const bool ok = key0 + it * (THREADS / KCPR) < sk && ch < kdch;
             const int64_t ko = (int64_t)it * (THREADS / KCPR) * ksr;
             const int64_t vo = (int64_t)it * (THREADS / KCPR) * vsr;
-            cp_async16<PF>(sK + kv_at(row, ch), ok ? kp + ko : kg, ok);
-            cp_async16<PF>(sV + kv_at(row, ch), ok ? vp + vo : vg, ok);
+            cp_async16<PF>(at(sK, row, ch), ok ? kp + ko : kg, ok);
+            cp_async16<PF>(at(sV, row, ch), ok ? vp + vo : vg, ok);
         }
     };
 
@@ -654,14 +663,15 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     // the windowed d128 kernel). Scores are q . k_stored * |k scale| * p.scale: the K scale's
     // sign and a zero scale go into the widened K (`e4m3x2_to`'s flip / keep; a zero scale
     // zeroes K and keeps p.scale), its magnitude into the scale (`kmag`); the V scale multiplies
-    // 1 / L in the epilogue (`vscale`). Non-F8: 1 (the products fold away).
+    // 1 / L in the epilogue (`vscale`). The 16-bit kernels keep their own expressions
+    // (`F8 ? scaled : plain` below).
     auto kscale = [&]() { return F8 ? __ldg(p.k_scales + kvh * p.kv_scale_stride) : 1.f; };
     auto kmag = [&]() {
         const float ks = kscale();
         return ks == 0.f ? 1.f : fabsf(ks);  // NaN / inf stay NaN / inf: the reference's answer
     };
     auto vscale = [&]() { return F8 ? __ldg(p.v_scales + kvh * p.kv_scale_stride) : 1.f; };
-    const float sl2 = fc::score_unit_log2(p.scale_log2 * kmag(), p.softcap);
+    const float sl2 = fc::score_unit_log2(F8 ? p.scale_log2 * kmag() : p.scale_log2, p.softcap);
 
     // ---- main loop over this split's tiles
     for (int t = t_begin; t < t_end; ++t) {
@@ -675,12 +685,12 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             cp_async_commit();
         }
         cp_async_wait<S - 1>();  // tile t landed (tiles t+1 .. t+S-1 may be pending)
-        const int slot = it % S;
         if constexpr (F8) {
+            const int slot = it % S;
             // Each thread widens the chunks of tile t it copied itself (visible to it after the
             // wait; the rows of `load_tile`) into the single widened K / V tiles, which every
             // warp finished reading before the barrier at the top of this iteration.
-            const unsigned char* rk = sKV + slot * (2 * BN * D);
+            const unsigned char* rk = reinterpret_cast<const unsigned char*>(sKV) + slot * (2 * BN * D);
             const unsigned char* rv = rk + BN * D;
             const bool by_warp = whole_pages && warp_rows;
             const int rf = by_warp ? warp * RW + lane / KCPR : tid / KCPR;
@@ -702,7 +712,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             }
         }
         __syncthreads();  // tile t (F8: widened) is visible to all warps
-        const uint32_t sK_u = F8 ? smem_u32(sKw) : smem_u32(sKV + slot * (2 * BN * D * KB));
+        const int slot = it % S;
+        const uint32_t sK_u = F8 ? smem_u32(sKw) : smem_u32(sKV + slot * (2 * BN * D));
         const uint32_t sV_u = sK_u + BN * D * 2;
         const bool need_mask = (t * BN < lo_all) || ((t + 1) * BN > hi_all);
 
@@ -729,7 +740,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 // hoisted and held across the key loop: d64 causal spilled 4 B on sm_80)
                 float c = p.softcap;
                 asm volatile("mov.b32 %0, %0;" : "+f"(c));
-                const float pre = __fdividef(p.scale * kmag(), c);
+                const float pre = __fdividef(F8 ? p.scale * kmag() : p.scale, c);
 #pragma unroll
                 for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -737,12 +748,13 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             }
             if (p.alibi_slopes != nullptr) {  // before the mask, after softcap (bias in score units)
                 const int kb = t * BN + key0 + 2 * t4;
-                const float lo = fc::alibi_floor(p, kmag());
+                const float lo = F8 ? fc::alibi_floor_at(p, p.scale_log2 * kmag()) : fc::alibi_floor(p);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = min(r0 + wm * 16 + g8 + 8 * h, rows_total - 1);
                     const int hl = r / sq, i = r - hl * sq;
-                    const float sl = fc::alibi_slope_units(p, bb, kvh * p.h_ratio + hl, kmag());
+                    const float sl = F8 ? fc::alibi_slope_units_at(p, bb, kvh * p.h_ratio + hl, p.scale * kmag())
+                                        : fc::alibi_slope_units(p, bb, kvh * p.h_ratio + hl);
                     const int dg = i + sk - sq;
 #pragma unroll
                     for (int n = 0; n < 2; ++n)
@@ -825,7 +837,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
     __syncthreads();
 
-    const float scale = fc::score_unit(p.scale * kmag(), p.softcap);
+    const float scale = fc::score_unit(F8 ? p.scale * kmag() : p.scale, p.softcap);
     const float vsc = vscale();
     const int B = p.b;
     for (int item = tid; item < rows_here * CPR; item += THREADS) {
@@ -839,7 +851,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             const float* ml = sML + ((mt * WN + w) * 16 + rr) * 2;
             L += ml[1] * ex2((ml[0] - Ms) * sl2);
         }
-        const float inv = L > 0.f ? vsc / L : 0.f;  // F8: the V scale, once
+        const float inv = L > 0.f ? (F8 ? vsc / L : 1.f / L) : 0.f;  // F8: the V scale, once
         float acc[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = 0.f;
