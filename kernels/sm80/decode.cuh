@@ -513,19 +513,15 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         ko = page * p.k_batch_stride + (int64_t)slot * ksr;
         vo = page * p.v_batch_stride + (int64_t)slot * vsr;
     };
-    // Shared address of (row, 16-byte chunk) in a ring tile: swizzled 16-bit tiles, row-major
-    // byte tiles (F8: each thread reads back only what it copied, see the widening below). The
-    // 16-bit kernels keep their pointer arithmetic (computed from byte offsets, d64 local
-    // spilled 8 B on sm_80).
-    auto at = [](T* tile, int row, int ch) {
-        if constexpr (F8) {
-            return smem_u32(reinterpret_cast<unsigned char*>(tile) + row * D + ch * 16);
-        } else {
-            return smem_u32(tile + swz<D>(row, ch));
-        }
+    // Shared address of (row, 16-byte chunk) in a ring tile of e4m3 bytes: row-major,
+    // unswizzled (each thread reads back only what it copied, see the widening below). The
+    // 16-bit tiles are swizzled (`swz`); their address arithmetic is kept as it was, and their
+    // kernels' PTX with it (other forms spilled d64 local 8 B on sm_80).
+    auto at8 = [](T* tile, int row, int ch) {
+        return smem_u32(reinterpret_cast<unsigned char*>(tile) + row * D + ch * 16);
     };
     auto load_tile = [&](int t, int slot) {
-        T* sK = sKV + slot * (BN * D * KB);  // 2 * BN * D * KB bytes per slot
+        T* sK = sKV + slot * (2 * BN * D * KB / 2);  // 2 * BN * D * KB bytes per slot
         T* sV = sK + BN * D * KB / 2;
         const int ch = tid % KCPR;
         const int row0 = tid / KCPR;
@@ -553,8 +549,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 for (int it = 0; it < BN * KCPR / THREADS; ++it) {
                     const int row = rf + it * STEP;
                     const bool ok = t * BN + row < sk && ch < kdch;
-                    cp_async16<PF>(at(sK, row, ch), ok ? kpi : kg, ok);
-                    cp_async16<PF>(at(sV, row, ch), ok ? vpi : vg, ok);
+                    cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), ok ? kpi : kg, ok);
+                    cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), ok ? vpi : vg, ok);
                     kpi += STEP * ksr;
                     vpi += STEP * vsr;
                 }
@@ -602,8 +598,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 const int slot = __shfl_sync(0xffffffffu, my_slot, src);
                 const KV* kp = ok ? kg + page * p.k_batch_stride + (int64_t)slot * ksr + ch * KEL : kg;
                 const KV* vp = ok ? vg + page * p.v_batch_stride + (int64_t)slot * vsr + ch * KEL : vg;
-                cp_async16<PF>(at(sK, row, ch), kp, ok);
-                cp_async16<PF>(at(sV, row, ch), vp, ok);
+                cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), kp, ok);
+                cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), vp, ok);
             }
             return;
         }
@@ -615,8 +611,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             const bool ok = key0 + it * (THREADS / KCPR) < sk && ch < kdch;
             const int64_t ko = (int64_t)it * (THREADS / KCPR) * ksr;
             const int64_t vo = (int64_t)it * (THREADS / KCPR) * vsr;
-            cp_async16<PF>(at(sK, row, ch), ok ? kp + ko : kg, ok);
-            cp_async16<PF>(at(sV, row, ch), ok ? vp + vo : vg, ok);
+            cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), ok ? kp + ko : kg, ok);
+            cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), ok ? vp + vo : vg, ok);
         }
     };
 
