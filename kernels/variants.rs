@@ -237,7 +237,11 @@ impl Variant {
     /// rows x 8 heads causal: 29.9 against 29.0 us, H100;
     /// docs/decisions.md#small-grids-on-128-row-tiles).
     pub const fn serves_grid(&self, sq: usize, bh: usize, sms: usize) -> bool {
-        if !self.is_family("sm90") || !matches!(self.kind, KKind::Fwd) || self.head_dim != 64 {
+        if !self.is_family("sm90")
+            || !matches!(self.kind, KKind::Fwd)
+            || self.head_dim != 64
+            || matches!(self.mask, KMask::Local)
+        {
             return true;
         }
         match self.block_m {
@@ -464,6 +468,14 @@ const fn sm90(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
     }
 }
 
+/// Windows with a right bound (gpt-oss's, Mistral's and Gemma's local layers: right bound 0) on
+/// the 128x128 causal tiles: the causal walk on the diagonal shifted by the right bound, started
+/// at each query tile's first visible key tile (kernels/sm90/fwd.cuh `WINDOW`;
+/// docs/decisions.md#sm90-windows). Windows without a right bound run on the sm80 family.
+const fn sm90_window(dtype: KDType, head_dim: u32) -> Variant {
+    q2(sm90_tile(dtype, head_dim, KMask::Local, 128, 128, u32::MAX))
+}
+
 /// `v` with two Q buffers (`Variant::q_stages`); its twins keep one.
 const fn q2(v: Variant) -> Variant {
     Variant { q_stages: 2, ..v }
@@ -576,7 +588,7 @@ const fn e4m3(v: Variant) -> Variant {
 }
 
 /// Kernels per dtype with K/V in that dtype (`base_rows`).
-const BASE_ROWS: usize = 68;
+const BASE_ROWS: usize = 70;
 
 /// Split-KV decode rows among `base_rows`: each has an FP8-K/V twin (`e4m3`).
 const fn decode_rows() -> usize {
@@ -631,6 +643,7 @@ const fn base_rows(t: KDType) -> [Variant; BASE_ROWS] {
         sm90_d64_causal_short(t),
         narrow(sm90(t, 64, KMask::Causal), 32),
         sm90(t, 64, KMask::Causal),
+        sm90_window(t, 64),
         pg(sm90_d128_short(t)),
         narrow(sm90_d128_short(t), 96),
         kvs(sm90_d128_short(t)),
@@ -642,6 +655,7 @@ const fn base_rows(t: KDType) -> [Variant; BASE_ROWS] {
         narrow(sm90(t, 128, KMask::Causal), 96),
         kvs(sm90(t, 128, KMask::Causal)),
         sm90(t, 128, KMask::Causal),
+        sm90_window(t, 128),
         pg(sm90_d256_short(t, KMask::None)),
         narrow(sm90_d256_short(t, KMask::None), 160),
         narrow(sm90_d256_short(t, KMask::None), 192),

@@ -4,7 +4,8 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-/// K/V pools `(num_pages, page_size, heads_kv, head_dim)` and the pages each live sequence owns.
+/// K/V pools `(num_pages, page_size, heads_kv, head_dim)` (the V pool may have its own head dim:
+/// [`PagedKvCache::with_head_dims`]) and the pages each live sequence owns.
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor};
@@ -35,7 +36,7 @@ pub struct PagedKvCache {
 }
 
 impl PagedKvCache {
-    /// Zeroed pools of `num_pages` pages of `page_size` rows.
+    /// Zeroed pools of `num_pages` pages of `page_size` rows, K and V both `head_dim` wide.
     pub fn new(
         num_pages: usize,
         page_size: usize,
@@ -44,29 +45,48 @@ impl PagedKvCache {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        Self::with_head_dims(
+            num_pages, page_size, heads_kv, head_dim, head_dim, dtype, device,
+        )
+    }
+
+    /// Zeroed pools with different K and V head dims (DeepSeek-style `d_qk != d_v`): K pool
+    /// `(num_pages, page_size, heads_kv, head_dim_k)`, V pool `(…, head_dim_v)`. Appends then
+    /// take `k_new` `(…, head_dim_k)` and `v_new` `(…, head_dim_v)`.
+    pub fn with_head_dims(
+        num_pages: usize,
+        page_size: usize,
+        heads_kv: usize,
+        head_dim_k: usize,
+        head_dim_v: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         if num_pages == 0 || page_size == 0 || num_pages > u32::MAX as usize {
             candle_core::bail!(
                 "flashcore: PagedKvCache: num_pages and page_size must be >= 1 (num_pages < 2^32), got {num_pages} and {page_size}"
             )
         }
-        if heads_kv == 0 || head_dim == 0 {
+        if heads_kv == 0 || head_dim_k == 0 || head_dim_v == 0 {
             candle_core::bail!(
-                "flashcore: PagedKvCache: heads_kv and head_dim must be >= 1, got {heads_kv} and {head_dim}"
+                "flashcore: PagedKvCache: heads_kv and the head dims must be >= 1, got heads_kv {heads_kv}, head_dim_k {head_dim_k}, head_dim_v {head_dim_v}"
             )
         }
-        let elems = [page_size, heads_kv, head_dim]
-            .iter()
-            .try_fold(num_pages, |acc, &x| acc.checked_mul(x));
-        let bytes = elems.and_then(|e| e.checked_mul(dtype.size_in_bytes()));
-        if bytes.is_none_or(|e| e > isize::MAX as usize) {
-            candle_core::bail!(
-                "flashcore: PagedKvCache: num_pages * page_size * heads_kv * head_dim must be addressable (< 2^63 bytes), got ({num_pages}, {page_size}, {heads_kv}, {head_dim})"
-            )
+        for head_dim in [head_dim_k, head_dim_v] {
+            let elems = [page_size, heads_kv, head_dim]
+                .iter()
+                .try_fold(num_pages, |acc, &x| acc.checked_mul(x));
+            let bytes = elems.and_then(|e| e.checked_mul(dtype.size_in_bytes()));
+            if bytes.is_none_or(|e| e > isize::MAX as usize) {
+                candle_core::bail!(
+                    "flashcore: PagedKvCache: num_pages * page_size * heads_kv * head_dim must be addressable (< 2^63 bytes), got ({num_pages}, {page_size}, {heads_kv}, {head_dim})"
+                )
+            }
         }
-        let shape = (num_pages, page_size, heads_kv, head_dim);
+        let shape = |d: usize| (num_pages, page_size, heads_kv, d);
         Ok(Self {
-            k_pages: Tensor::zeros(shape, dtype, device)?,
-            v_pages: Tensor::zeros(shape, dtype, device)?,
+            k_pages: Tensor::zeros(shape(head_dim_k), dtype, device)?,
+            v_pages: Tensor::zeros(shape(head_dim_v), dtype, device)?,
             page_size,
             free: (0..num_pages as u32).rev().collect(),
             seqs: Vec::new(),
@@ -126,7 +146,7 @@ impl PagedKvCache {
     }
 
     /// Appends `n_new` rows to each sequence of `ids` (distinct): `k_new` / `v_new` `(ids.len(),
-    /// n_new, heads_kv, head_dim)`. Pages are taken from the pool first; if they do not suffice,
+    /// n_new, heads_kv, ·)` at the K and V pools' head dims. Pages are taken from the pool first; if they do not suffice,
     /// or the append rejects the rows, nothing is taken or written and the error says why.
     pub fn append(&mut self, ids: &[usize], k_new: &Tensor, v_new: &Tensor) -> Result<()> {
         let (b, n_new) = (k_new.dim(0)?, k_new.dim(1)?);

@@ -8,7 +8,8 @@
 //!
 //! ## Layout
 //! As in `candle-flash-attn`: `q` is `(batch, seq_q, heads_q, head_dim)`, `k` and `v` are
-//! `(batch, seq_k, heads_kv, head_dim)`, the output is shaped like `q`. Inputs may be strided
+//! `(batch, seq_k, heads_kv, head_dim)`, the output is shaped like `q`; `v` may have its own
+//! head dim (see Head dims), and the output then has `v`'s. Inputs may be strided
 //! views (narrowed, transposed) as long as the last dimension is contiguous; they are read in
 //! place. Grouped-query and multi-query attention are native: `heads_q` must be a multiple of
 //! `heads_kv`, and query head `h` reads K/V head `h / (heads_q / heads_kv)`; nothing is repeated.
@@ -25,7 +26,7 @@
 //! [`Mask::Causal`]. A query row that sees no key (possible when `seq_q > seq_k` under a causal mask) outputs zeros
 //! and its log-sum-exp is `-inf`; never NaN. `AttnParams::chunk = Some(c)` (chunked attention)
 //! further limits the row at position `p = i + seq_k - seq_q` to keys
-//! `floor(p / c) * c <= j < (floor(p / c) + 1) * c`; CPU path only for now.
+//! `floor(p / c) * c <= j < (floor(p / c) + 1) * c` (on a GPU as pieces of unchunked attention).
 //!
 //! ## Packed batches of different lengths
 //! [`attention_varlen`] takes sequences packed along the rows, `q` `(total_q, heads_q, head_dim)`
@@ -40,11 +41,17 @@
 //! combine) fills the whole output and LSE with NaN if the sums lie.
 //!
 //! ## Head dims
-//! Every multiple of 8 up to 256 runs everywhere, up to 512 on the CPU (a larger one on a GPU is
-//! an error naming `q`'s head_dim, [`GPU_MAX_HEAD_DIM`]). The GPU kernels are compiled for 64, 128 and
-//! 256, with narrow variants that compute only 32, 96, 160 or 192 columns (sm90 twins, sm80
-//! bodies chosen per launch); other head dims run on the next kernel up with the extra columns
-//! zero-filled in shared memory (no copy; the compute of the padded columns is spent).
+//! q and k share one head dim `d_qk`; v and the output have `d_v`, which may differ (DeepSeek's
+//! prefill is `(192, 128)`, MLA's absorbed decode `(576, 512)`), in every entry point (paged: a K
+//! pool `(…, d_qk)` and a V pool `(…, d_v)`). Each is a multiple of 8 up to 256 everywhere; on the
+//! CPU `d_v` goes up to 512 ([`MAX_HEAD_DIM`]) and `d_qk` up to 576 ([`MAX_QK_HEAD_DIM`]); a head
+//! dim past 256 on a GPU is an error naming `q` or `v` ([`GPU_MAX_HEAD_DIM`]). The default scale
+//! is `1 / sqrt(d_qk)`. The GPU kernels are compiled for 64, 128 and 256, with
+//! narrow variants that compute only 32, 96, 160 or 192 columns (sm90 twins, sm80 bodies chosen
+//! per launch); other head dims run on the next kernel up with the extra columns zero-filled in
+//! shared memory (no copy; the compute of the padded columns is spent). On a GPU, `d_v != d_qk`
+//! runs as `D = max(d_qk, d_v)`: the narrower side is copied with zero columns (q·k and the LSE
+//! unchanged) and the output narrowed to `d_v` (docs/decisions.md#separate-v-head-dim).
 //!
 //! ## Scores
 //! `s = softmax_scale * q . k`; then, if `softcap` is set, `s = softcap * tanh(s / softcap)`; then,
@@ -89,6 +96,7 @@
 //! functions, in a backward pass returns `candle_core::Error::BackwardNotSupported`.
 
 mod cache;
+mod chunk;
 mod fp8;
 mod knobs;
 mod merge;
@@ -102,7 +110,10 @@ pub mod cuda;
 pub use cache::PagedKvCache;
 pub use fp8::E4M3_MAX;
 pub use merge::merge_states;
-pub use params::{AttnParams, KvScales, Mask, GPU_MAX_HEAD_DIM, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS};
+pub use params::{
+    AttnParams, KvScales, Mask, GPU_MAX_HEAD_DIM, MAX_HEAD_DIM, MAX_QK_HEAD_DIM,
+    SUPPORTED_HEAD_DIMS,
+};
 
 use candle_core::{Result, Tensor};
 
@@ -143,9 +154,10 @@ pub fn attention_with_lse(
 }
 
 /// Attention over a packed batch of sequences of different lengths (see the crate docs): q
-/// `(total_q, heads_q, head_dim)`, k/v `(total_k, heads_kv, head_dim)`, `cu_seqlens_q` /
-/// `cu_seqlens_k` u32 `(batch + 1,)` prefix sums on q's device, `max_seqlen_q` / `max_seqlen_k`
-/// at least every sequence's length. Returns `(total_q, heads_q, head_dim)`. ALiBi slopes may be
+/// `(total_q, heads_q, head_dim)`, k/v `(total_k, heads_kv, head_dim)` (v may have its own head
+/// dim), `cu_seqlens_q` / `cu_seqlens_k` u32 `(batch + 1,)` prefix sums on q's device,
+/// `max_seqlen_q` / `max_seqlen_k` at least every sequence's length. Returns `(total_q, heads_q,
+/// v's head_dim)`. ALiBi slopes may be
 /// `(heads_q,)` or `(batch, heads_q)`. One kernel launch for the whole batch on the GPU.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_varlen(
@@ -194,12 +206,13 @@ pub fn attention_varlen_with_lse(
 
 /// Attention over a paged KV cache (as vLLM, FlashInfer and FlashAttention's `page_table` /
 /// `block_table`): q `(batch, seq_q, heads_q, head_dim)`; `k_pages` / `v_pages` pools `(num_pages,
-/// page_size, heads_kv, head_dim)`; `page_table` u32 `(batch, max_pages_per_seq)`, sequence `i`'s
+/// page_size, heads_kv, head_dim)` (the V pool may have its own head dim); `page_table` u32 `(batch, max_pages_per_seq)`, sequence `i`'s
 /// key `j` living in row `j % page_size` of page `page_table[i][j / page_size]`; `seqlens_k` u32
 /// `(batch,)` the keys of each sequence (at most `max_pages_per_seq * page_size`). All on q's
 /// device. Every option applies as in [`attention`], with each sequence's own `seq_k` (masks stay
 /// bottom-right: the new queries are the last `seq_q` positions of the sequence). Any page size
-/// works (16 and 64 are what serving engines use). Returns `(batch, seq_q, heads_q, head_dim)`.
+/// works (16 and 64 are what serving engines use). Returns `(batch, seq_q, heads_q, v's
+/// head_dim)`.
 ///
 /// Checks: on the CPU every table value is checked on the host (a page id outside the pool, or a
 /// length beyond the table, is an error naming the argument). On a GPU reading the tables would
@@ -254,7 +267,7 @@ pub fn attention_paged_with_lse(
 /// prefix sums `cu_seqlens_q` `(batch + 1,)` and `max_seqlen_q` bounding every sequence's query
 /// rows (as [`attention_varlen`]); the keys come from the paged cache (sequence `i` has
 /// `seqlens_k[i]` keys, its queries being the last `seq_q_i` of them under the bottom-right
-/// masks). Returns `(total_q, heads_q, head_dim)`.
+/// masks). Returns `(total_q, heads_q, v's head_dim)`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_paged_varlen(
     q: &Tensor,
@@ -298,10 +311,10 @@ pub fn attention_paged_varlen_with_lse(
 }
 
 /// Writes new keys and values into paged pools in place: `k_new` / `v_new` `(batch, n_new,
-/// heads_kv, head_dim)`, row `j` of sequence `i` going to position `positions[i] + j` (u32
+/// heads_kv, head_dim)` (each at its pool's head dim, which may differ), row `j` of sequence `i` going to position `positions[i] + j` (u32
 /// `(batch,)`, usually the sequence's length before the append), i.e. row `pos % page_size` of
 /// page `page_table[i][pos / page_size]`. Pools `(num_pages, page_size, heads_kv, head_dim)` of
-/// the new rows' dtype; the tables on the pools' device. One launch per pool for the whole batch
+/// the new rows' dtype (V's head dim may differ from K's); the tables on the pools' device. One launch per pool for the whole batch
 /// on the GPU. On the CPU every position and page id is checked (an error names the argument and
 /// nothing is written); on a GPU a row whose position is beyond the table or whose page id is not
 /// a page of the pool is skipped (never written outside the pool), unchecked.

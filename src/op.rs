@@ -138,7 +138,8 @@ impl FlashAttn {
         }
         // One sequence at a time: each is a batch of one at its own offsets and lengths.
         let (total_q, _) = p.totals();
-        let (hq, d) = (p.hq, p.d);
+        // Output rows are d_v wide.
+        let (hq, d) = (p.hq, p.dv);
         let mut out = vec![T::zero(); total_q * hq * d];
         // (b, hq, sq) or (hq, total_q): every head's rows start at its sink's LSE (-inf without)
         let mut lse = vec![f32::NEG_INFINITY; total_q * hq];
@@ -418,6 +419,9 @@ fn apply(
     extra: Extra,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    if !q.device().is_cpu() && problem.dv != problem.d {
+        return apply_padded(q, k, v, problem, extra, want_lse);
+    }
     let (q, k, v) = (&aligned(q)?, &aligned(k)?, &aligned(v)?);
     let problem = Problem {
         q_strides: strides_of(q),
@@ -443,6 +447,40 @@ fn apply(
     Ok((o, lse))
 }
 
+/// A problem with `d_v != d_qk` on a GPU (whose kernels take one head dim for q, k and v): the
+/// narrower side is copied with zero columns up to `D = max(d_qk, d_v)` ([`Problem::padded`]),
+/// the `D`-wide problem runs, and the output is narrowed back to its first `d_v` columns. Zero
+/// columns of q and k leave every `q . k` as it was, and the scale stays the one resolved from
+/// `d_qk`, so the scores, the softmax and the LSE are those of the unpadded problem; zero columns
+/// of v give output columns that are zero and dropped. The copies cost bandwidth
+/// (docs/decisions.md#separate-v-head-dim).
+fn apply_padded(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    problem: Problem,
+    extra: Extra,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let wide = problem.padded();
+    let pad = |t: &Tensor| -> Result<Tensor> {
+        let last = t.rank() - 1;
+        let d = t.dim(last)?;
+        if d == wide.d {
+            return Ok(t.clone());
+        }
+        let mut shape = t.dims().to_vec();
+        shape[last] = wide.d - d;
+        let zeros = Tensor::zeros(shape, t.dtype(), t.device())?;
+        // `cat` of views it cannot copy row by row returns a transposed view: the kernels need
+        // the head dim contiguous.
+        Tensor::cat(&[t, &zeros], last)?.contiguous()
+    };
+    let (o, lse) = apply(&pad(q)?, &pad(k)?, &pad(v)?, wide, extra, want_lse)?;
+    let last = o.rank() - 1;
+    Ok((o.narrow(last, 0, problem.dv)?.contiguous()?, lse))
+}
+
 /// Validates a dense batch and runs it.
 pub(crate) fn run(
     q: &Tensor,
@@ -460,6 +498,10 @@ pub(crate) fn run(
         }
     }
     let problem = validate(q, k, v, params)?;
+    if problem.chunk.is_some() && !q.device().is_cpu() {
+        // No kernel takes a chunk: it runs as pieces (docs/decisions.md#chunked-attention).
+        return crate::chunk::dense(q, k, v, &problem, params, want_lse);
+    }
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
         sinks: params.sinks.clone(),
@@ -511,6 +553,9 @@ pub(crate) fn run_varlen(
     if total_q == 0 || total_k == 0 {
         // Nothing to attend: every row (if any) sees no key.
         return empty_answer(q, k, v, &problem, params.sinks.as_ref(), want_lse);
+    }
+    if problem.chunk.is_some() && !q.device().is_cpu() {
+        return crate::chunk::varlen(q, k, v, seqs, &problem, params, want_lse);
     }
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
@@ -577,6 +622,9 @@ pub(crate) fn run_paged(
             params.sinks.as_ref(),
             want_lse,
         );
+    }
+    if problem.chunk.is_some() {
+        return crate::chunk::paged(q, kv, packed_q, &problem, params, want_lse);
     }
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
@@ -707,9 +755,11 @@ fn cpu_paged(
             (page * page_size + j % page_size) as u32
         }));
     }
-    let (hkv, d) = (problem.hkv, problem.d);
+    let (hkv, d, dv) = (problem.hkv, problem.d, problem.dv);
     let gather = |pool: &Tensor| -> Result<Tensor> {
-        let flat = pool.reshape((num_pages * page_size, hkv, d))?;
+        // The K pool is d_qk wide, the V pool d_v.
+        let width = pool.dim(3)?;
+        let flat = pool.reshape((num_pages * page_size, hkv, width))?;
         if rows.is_empty() {
             return flat.narrow(0, 0, 0);
         }
@@ -745,7 +795,7 @@ fn cpu_paged(
                 max_k,
             };
             let (o, lse) = run_varlen(&qp, &k, &v, &seqs, params, want_lse)?;
-            let o = o.reshape((b, sq, hq, d))?;
+            let o = o.reshape((b, sq, hq, dv))?;
             let lse = lse
                 .map(|l| l.reshape((hq, b, sq))?.transpose(0, 1)?.contiguous())
                 .transpose()?;
@@ -980,10 +1030,15 @@ pub(crate) fn append_kv_paged(
         // Every table value checked before either pool is written.
         op.slots = Some(op.host_slots()?);
     }
-    for (name, new, pool) in [("k_pages", k_new, k_pages), ("v_pages", v_new, v_pages)] {
+    // Each pool at its own head dim (d_qk for K, d_v for V).
+    for (name, new, pool, d) in [
+        ("k_pages", k_new, k_pages, g.d),
+        ("v_pages", v_new, v_pages, g.dv),
+    ] {
         let new = aligned(new)?;
         let op = AppendOp {
             name,
+            d,
             slots: op.slots.clone(),
             ..op
         };
@@ -1024,4 +1079,73 @@ fn check_no_alias(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Mask;
+    use candle_core::Device;
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    /// What a GPU does with `d_v != d_qk` (zero padding to `max(d_qk, d_v)`, the padded problem,
+    /// the output narrowed back to `d_v`), run on the CPU path so that it is checked without a
+    /// GPU: the same O (to rounding) and LSE as the unpadded problem, default scale
+    /// `1 / sqrt(d_qk)` kept, dense and packed, with sinks and ALiBi.
+    #[test]
+    fn padded_problem_equals_unpadded() -> Result<()> {
+        let dev = Device::Cpu;
+        for (d, dv) in [(192, 128), (64, 128), (40, 24)] {
+            let (hq, hkv) = (4, 2);
+            // Strided views: q a narrow of wider heads, k transposed in storage, v narrowed.
+            let q = Tensor::randn(0f32, 1., (2, 37, hq + 1, d), &dev)?.narrow(2, 1, hq)?;
+            let k = Tensor::randn(0f32, 1., (2, hkv, 50, d), &dev)?.transpose(1, 2)?;
+            let v = Tensor::randn(0f32, 1., (2, 50, hkv + 1, dv), &dev)?.narrow(2, 0, hkv)?;
+            let p = AttnParams {
+                mask: Mask::Causal,
+                sinks: Some(Tensor::new(&[0.5f32, -1.0, 2.0, 0.0], &dev)?),
+                alibi_slopes: Some(Tensor::new(&[0.1f32, 0.2, 0.3, 0.4], &dev)?),
+                ..Default::default()
+            };
+            let extra = Extra {
+                alibi_slopes: p.alibi_slopes.clone(),
+                sinks: p.sinks.clone(),
+                ..Default::default()
+            };
+            let (o, l) = run(&q, &k, &v, &p, true)?;
+            let prob = validate(&q, &k, &v, &p)?;
+            let (po, pl) = apply_padded(&q, &k, &v, prob, extra.clone(), true)?;
+            assert_eq!(po.dims(), o.dims());
+            let (eo, el) = (max_diff(&o, &po)?, max_diff(&l.unwrap(), &pl.unwrap())?);
+            assert!(eo < 1e-5 && el < 1e-5, "dense d{d}/{dv}: O {eo}, LSE {el}");
+
+            // Packed: sequences of 37 and 20 query rows, 50 and 9 keys; k transposed in storage.
+            let qp = q.contiguous()?.reshape((74, hq, d))?.narrow(0, 0, 57)?;
+            let kp = Tensor::randn(0f32, 1., (hkv, 59, d), &dev)?.transpose(0, 1)?;
+            let vp = v.contiguous()?.reshape((100, hkv, dv))?.narrow(0, 0, 59)?;
+            let cu_q = Tensor::new(&[0u32, 37, 57], &dev)?;
+            let cu_k = Tensor::new(&[0u32, 50, 59], &dev)?;
+            let seqs = Varlen {
+                cu_q: &cu_q,
+                cu_k: &cu_k,
+                max_q: 37,
+                max_k: 50,
+            };
+            let (o, l) = run_varlen(&qp, &kp, &vp, &seqs, &p, true)?;
+            let prob = validate_varlen(&qp, &kp, &vp, &cu_q, &cu_k, 37, 50, &p)?;
+            let extra = Extra {
+                cu_q: Some(cu_q.clone()),
+                cu_k: Some(cu_k.clone()),
+                ..extra
+            };
+            let (po, pl) = apply_padded(&qp, &kp, &vp, prob, extra, true)?;
+            assert_eq!(po.dims(), &[57, hq, dv]);
+            let (eo, el) = (max_diff(&o, &po)?, max_diff(&l.unwrap(), &pl.unwrap())?);
+            assert!(eo < 1e-5 && el < 1e-5, "packed d{d}/{dv}: O {eo}, LSE {el}");
+        }
+        Ok(())
+    }
 }

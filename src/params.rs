@@ -7,8 +7,13 @@ use candle_core::{DType, Layout, Tensor};
 /// next one up (the kernels zero-fill the extra columns in shared memory; nothing is copied).
 pub const SUPPORTED_HEAD_DIMS: &[usize] = &[64, 128, 256];
 
-/// Largest head dimension accepted at all (by the CPU path; see [`GPU_MAX_HEAD_DIM`]).
+/// Largest head dimension accepted at all (by the CPU path; see [`GPU_MAX_HEAD_DIM`]) for v and
+/// the output, and for q and k when they share v's head dim.
 pub const MAX_HEAD_DIM: usize = 512;
+
+/// Largest head dimension of q and k (`d_qk`) on the CPU path: 576, MLA's absorbed decode (512
+/// latent columns and 64 rotary ones, with `d_v` = 512).
+pub const MAX_QK_HEAD_DIM: usize = 576;
 
 /// Largest head dimension the GPU kernels take: a larger one on a GPU is an error naming it.
 pub const GPU_MAX_HEAD_DIM: usize = 256;
@@ -52,11 +57,12 @@ impl Mask {
 /// Options of [`crate::attention`].
 #[derive(Clone, Debug, Default)]
 pub struct AttnParams {
-    /// Multiplies `q . k`; `None` means `1 / sqrt(head_dim)`. Any finite value on the CPU; the
-    /// GPU kernels take `0 < scale <= 1024` (otherwise an error naming the option: they fold
-    /// `scale * log2(e)` into the exponent of raw f32 scores). For f64 inputs the
-    /// default is computed in f64; a scale given here is an f32, used exactly (widened), so an
-    /// f64 caller needing a scale that is not an f32 value has no way to pass it.
+    /// Multiplies `q . k`; `None` means `1 / sqrt(d_qk)` (q's and k's head dim, whatever v's).
+    /// Any finite value on the CPU; the GPU kernels take `0 < scale <= 1024` (otherwise an
+    /// error naming the option: they fold `scale * log2(e)` into the exponent of raw f32
+    /// scores). For f64 inputs the default is computed in f64; a scale given here is an f32,
+    /// used exactly (widened), so an f64 caller needing a scale that is not an f32 value has
+    /// no way to pass it.
     pub softmax_scale: Option<f32>,
     /// The mask; bottom-right aligned.
     pub mask: Mask,
@@ -79,8 +85,9 @@ pub struct AttnParams {
     /// `p = i + seq_k - seq_q` (per sequence for packed and paged batches) sees only keys in
     /// `[floor(p / c) * c, (floor(p / c) + 1) * c)`, intersected with the mask. A row with
     /// `p < 0` (more query rows than keys) lies in chunk -1 and sees no key. `c` must be >= 1.
-    /// CPU path and [`crate::attention_slow`] only for now: the GPU kernels refuse it with an
-    /// error (docs/decisions.md#chunked-attention).
+    /// On a GPU it runs as pieces of unchunked attention (one call per chunk for dense batches;
+    /// packed and paged tables are read on the host, and a paged cache needs chunks that start
+    /// on a page): docs/decisions.md#chunked-attention.
     pub chunk: Option<usize>,
     /// The scales of F8E4M3 keys and values (an FP8 KV cache): required when k/v are
     /// `DType::F8E4M3`, refused otherwise. On a GPU the split-KV decode kernels read FP8 K/V
@@ -137,7 +144,12 @@ pub(crate) struct Problem {
     pub sk: usize,
     pub hq: usize,
     pub hkv: usize,
+    /// Head dim of q and k (`d_qk`).
     pub d: usize,
+    /// Head dim of v and of the output (`d_v`); equal to `d` on every GPU launch (a problem
+    /// with `d_v != d_qk` is zero-padded to one head dim first:
+    /// docs/decisions.md#separate-v-head-dim).
+    pub dv: usize,
     pub dtype: DType,
     /// The softmax scale as the kernels take it (f32).
     pub scale: f32,
@@ -182,11 +194,21 @@ impl Problem {
     pub fn h_ratio(&self) -> usize {
         self.hq / self.hkv
     }
-    /// Output shape: `(b, sq, hq, d)`, or `(total_q, hq, d)` for a packed batch.
+    /// Output shape: `(b, sq, hq, d_v)`, or `(total_q, hq, d_v)` for a packed batch.
     pub fn out_shape(&self) -> candle_core::Shape {
         match self.seqs {
-            Seqs::Dense => (self.b, self.sq, self.hq, self.d).into(),
-            Seqs::Varlen { total_q, .. } => (total_q, self.hq, self.d).into(),
+            Seqs::Dense => (self.b, self.sq, self.hq, self.dv).into(),
+            Seqs::Varlen { total_q, .. } => (total_q, self.hq, self.dv).into(),
+        }
+    }
+    /// The same problem with q, k and v zero-padded to one head dim, `max(d_qk, d_v)`, as the
+    /// GPU runs a problem with `d_v != d_qk` (the scale stays the one resolved from `d_qk`).
+    pub fn padded(&self) -> Problem {
+        let d = self.d.max(self.dv);
+        Problem {
+            d,
+            dv: d,
+            ..self.clone()
         }
     }
     /// LSE shape: `(b, hq, sq)`, or `(hq, total_q)` for a packed batch.
@@ -294,6 +316,7 @@ fn check_common(
     hkv: usize,
     d: usize,
     dk: usize,
+    dv: usize,
     p: &AttnParams,
 ) -> candle_core::Result<(f32, f64, bool)> {
     let dtype = q.dtype();
@@ -318,11 +341,15 @@ fn check_common(
     for (name, t) in [("k", k), ("v", v)] {
         check_device(name, t, ("q", q))?;
     }
-    if v.dims() != k.dims() {
+    // v is k's shape but for its head dim (d_v), which may differ from d_qk.
+    let (kd, vd) = (k.dims(), v.dims());
+    if vd.len() != kd.len() || vd[..vd.len() - 1] != kd[..kd.len() - 1] {
         return Err(bad(
             "v",
-            &format!("shape must equal k's {:?}", k.dims()),
-            format!("{:?}", v.dims()),
+            &format!(
+                "shape must equal k's {kd:?} but for the last dim (v's head_dim may differ from k's)"
+            ),
+            format!("{vd:?}"),
         ));
     }
     if dk != d {
@@ -342,27 +369,33 @@ fn check_common(
             format!("heads_kv {hkv}"),
         ));
     }
-    if d == 0 || d > MAX_HEAD_DIM || !d.is_multiple_of(8) {
-        return Err(bad(
-            "q",
-            &format!("head_dim must be a multiple of 8 in 8..={MAX_HEAD_DIM}"),
-            d,
-        ));
+    for (name, x, max) in [("q", d, MAX_QK_HEAD_DIM), ("v", dv, MAX_HEAD_DIM)] {
+        if x == 0 || x > max || !x.is_multiple_of(8) {
+            return Err(bad(
+                name,
+                &format!("head_dim must be a multiple of 8 in 8..={max}"),
+                x,
+            ));
+        }
     }
-    if d > GPU_MAX_HEAD_DIM && !q.device().is_cpu() {
-        return Err(bad(
-            "q",
-            &format!(
-                "head_dim must be at most {GPU_MAX_HEAD_DIM} on a GPU (no kernel for larger head dims yet; the CPU path takes up to {MAX_HEAD_DIM})"
-            ),
-            d,
-        ));
+    // A GPU runs d_v != d_qk zero-padded to max(d_qk, d_v): both must fit a kernel.
+    for (name, x) in [("q", d), ("v", dv)] {
+        if x > GPU_MAX_HEAD_DIM && !q.device().is_cpu() {
+            return Err(bad(
+                name,
+                &format!(
+                    "head_dim must be at most {GPU_MAX_HEAD_DIM} on a GPU (no kernel for larger head dims yet; the CPU path takes up to {MAX_HEAD_DIM})"
+                ),
+                x,
+            ));
+        }
     }
     let scale = p.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
     if !scale.is_finite() {
         return Err(bad("softmax_scale", "must be finite", scale));
     }
-    // The f64 path's default is 1 / sqrt(d) in f64 (not the f32 value widened).
+    // The default is 1 / sqrt(d_qk), whatever v's head dim. The f64 path's default is computed
+    // in f64 (not the f32 value widened).
     let scale_f64 = p.softmax_scale.map_or(1.0 / (d as f64).sqrt(), f64::from);
     if let Some(c) = p.softcap {
         if !(c.is_finite() && c > 0.0) {
@@ -492,7 +525,8 @@ pub(crate) fn validate(
     check_rank(q, k, v, 4)?;
     let (b, sq, hq, d) = q.dims4()?;
     let (bk, sk, hkv, dk) = k.dims4()?;
-    let (scale, scale_f64, alibi_per_batch) = check_common(q, k, v, b, hq, hkv, d, dk, p)?;
+    let dv = v.dims()[3];
+    let (scale, scale_f64, alibi_per_batch) = check_common(q, k, v, b, hq, hkv, d, dk, dv, p)?;
     if bk != b {
         return Err(bad("k", &format!("batch must equal q's batch {b}"), bk));
     }
@@ -520,6 +554,7 @@ pub(crate) fn validate(
         hq,
         hkv,
         d,
+        dv,
         dtype: q.dtype(),
         scale,
         scale_f64,
@@ -576,7 +611,8 @@ pub(crate) fn validate_varlen(
             format!("{:?}", cu_seqlens_k.dims()),
         ));
     }
-    let (scale, scale_f64, alibi_per_batch) = check_common(q, k, v, b, hq, hkv, d, dk, p)?;
+    let dv = v.dims()[2];
+    let (scale, scale_f64, alibi_per_batch) = check_common(q, k, v, b, hq, hkv, d, dk, dv, p)?;
     let q_strides = strides3("q", q.layout())?;
     let k_strides = strides3("k", k.layout())?;
     let v_strides = strides3("v", v.layout())?;
@@ -615,6 +651,7 @@ pub(crate) fn validate_varlen(
         hq,
         hkv,
         d,
+        dv,
         dtype: q.dtype(),
         scale,
         scale_f64,
@@ -764,6 +801,7 @@ pub(crate) fn validate_paged(
         }
     }
     let (num_pages, page_size, hkv, dk) = k_pages.dims4()?;
+    let dv = v_pages.dims()[3];
     let (b, sq, hq, d, seqs) = match packed_q {
         None => {
             if q.rank() != 4 {
@@ -818,7 +856,7 @@ pub(crate) fn validate_paged(
     )?;
     let max_pages = page_table.dims()[1];
     let (scale, scale_f64, alibi_per_batch) =
-        check_common(q, k_pages, v_pages, b, hq, hkv, d, dk, p)?;
+        check_common(q, k_pages, v_pages, b, hq, hkv, d, dk, dv, p)?;
     if page_size == 0 || num_pages == 0 || max_pages == 0 {
         return Err(bad(
             "k_pages",
@@ -860,6 +898,7 @@ pub(crate) fn validate_paged(
         hq,
         hkv,
         d,
+        dv,
         dtype: q.dtype(),
         scale,
         scale_f64,
@@ -943,15 +982,17 @@ pub(crate) struct AppendGeom {
     pub b: usize,
     pub total: usize,
     pub hkv: usize,
+    /// Head dims of the K pool and of the V pool.
     pub d: usize,
+    pub dv: usize,
     pub page_size: usize,
     pub num_pages: usize,
     pub max_pages: usize,
 }
 
-/// Checks the shapes, dtypes and devices of `append_kv_paged`: k_new / v_new `(b, n_new, hkv, d)`
-/// (or packed `(total, hkv, d)` with `cu_new` `(b + 1,)`), pools `(num_pages, page_size, hkv, d)`
-/// of the same dtype, a page table u32 `(b, max_pages)` and positions u32 `(b,)`. The tables'
+/// Checks the shapes, dtypes and devices of `append_kv_paged`: k_new `(b, n_new, hkv, d)` and
+/// v_new `(b, n_new, hkv, d_v)` (or packed `(total, hkv, ·)` with `cu_new` `(b + 1,)`), pools
+/// `(num_pages, page_size, hkv, d)` and `(…, d_v)` of the same dtype, a page table u32 `(b, max_pages)` and positions u32 `(b,)`. The tables'
 /// values are checked on the host only on the CPU (see the function's docs).
 pub(crate) fn validate_append(
     k_new: &Tensor,
@@ -971,14 +1012,17 @@ pub(crate) fn validate_append(
             ));
         }
     }
-    if v_pages.dims() != k_pages.dims() {
+    // The V pool is the K pool's shape but for its head dim (d_v may differ from d_qk).
+    let (kd, vd) = (k_pages.dims(), v_pages.dims());
+    if vd[..3] != kd[..3] {
         return Err(bad(
             "v_pages",
-            &format!("shape must equal k_pages' {:?}", k_pages.dims()),
-            format!("{:?}", v_pages.dims()),
+            &format!("shape must equal k_pages' {kd:?} but for the last dim (head_dim may differ)"),
+            format!("{vd:?}"),
         ));
     }
     let (num_pages, page_size, hkv, d) = k_pages.dims4()?;
+    let dv = vd[3];
     // The pools are written row by row at (page, row, head) strides: the head dim must be dense,
     // as attention_paged requires when it reads them.
     strides4("k_pages", k_pages.layout())?;
@@ -988,7 +1032,10 @@ pub(crate) fn validate_append(
     } else {
         (4, "(batch, n_new, heads_kv, head_dim)")
     };
-    for (name, t) in [("k_new", k_new), ("v_new", v_new)] {
+    for (name, t, pool, pd) in [
+        ("k_new", k_new, "k_pages", d),
+        ("v_new", v_new, "v_pages", dv),
+    ] {
         if t.rank() != rank {
             return Err(bad(
                 name,
@@ -997,16 +1044,14 @@ pub(crate) fn validate_append(
             ));
         }
         let dims = t.dims();
-        if dims[rank - 2..] != [hkv, d] {
+        if dims[rank - 2..] != [hkv, pd] {
             return Err(bad(
                 name,
-                &format!(
-                    "its last two dims must be the pools' (heads_kv, head_dim) = ({hkv}, {d})"
-                ),
+                &format!("its last two dims must be {pool}' (heads_kv, head_dim) = ({hkv}, {pd})"),
                 format!("{dims:?}"),
             ));
         }
-        if t.stride()[rank - 1] != 1 && d > 1 {
+        if t.stride()[rank - 1] != 1 && pd > 1 {
             return Err(bad(
                 name,
                 "the last dimension (head_dim) must be contiguous (stride 1)",
@@ -1014,10 +1059,13 @@ pub(crate) fn validate_append(
             ));
         }
     }
-    if v_new.dims() != k_new.dims() {
+    if v_new.dims()[..rank - 1] != k_new.dims()[..rank - 1] {
         return Err(bad(
             "v_new",
-            &format!("shape must equal k_new's {:?}", k_new.dims()),
+            &format!(
+                "shape must equal k_new's {:?} but for the last dim",
+                k_new.dims()
+            ),
             format!("{:?}", v_new.dims()),
         ));
     }
@@ -1031,8 +1079,10 @@ pub(crate) fn validate_append(
         }
         check_device(name, t, ("k_pages", k_pages))?;
     }
-    if !d.is_multiple_of(8) || d == 0 {
-        return Err(bad("k_pages", "head_dim must be a multiple of 8", d));
+    for (name, x) in [("k_pages", d), ("v_pages", dv)] {
+        if !x.is_multiple_of(8) || x == 0 {
+            return Err(bad(name, "head_dim must be a multiple of 8", x));
+        }
     }
     if page_size == 0 || num_pages == 0 {
         return Err(bad(
@@ -1085,6 +1135,7 @@ pub(crate) fn validate_append(
         total,
         hkv,
         d,
+        dv,
         page_size,
         num_pages,
         max_pages,

@@ -312,22 +312,23 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
     fn kv_buf(&self, bi: usize, g: usize) -> &KvBuf<A> {
         self.kv[bi * self.p.hkv + g].get_or_init(|| {
             let (sk, d, p) = (self.p.sk, self.p.d, self.p);
-            let convert = |src: &[T], st: [usize; 3]| {
-                let mut dst = vec![A::ZERO; sk * d];
+            // Rows of `w` elements: K rows are d_qk wide, V rows d_v.
+            let convert = |src: &[T], st: [usize; 3], w: usize| {
+                let mut dst = vec![A::ZERO; sk * w];
                 for j in 0..sk {
                     let o = bi * st[0] + j * st[1] + g * st[2];
-                    load_row(&src[o..o + d], &mut dst[j * d..(j + 1) * d]);
+                    load_row(&src[o..o + w], &mut dst[j * w..(j + 1) * w]);
                 }
                 dst
             };
             let v = match self.v_direct {
                 Some(_) => Vec::new(),
-                None => convert(self.v, p.v_strides),
+                None => convert(self.v, p.v_strides, p.dv),
             };
             if !self.k_transposed {
                 let k = match self.k_direct {
                     Some(_) => Vec::new(),
-                    None => convert(self.k, p.k_strides),
+                    None => convert(self.k, p.k_strides, d),
                 };
                 return KvBuf {
                     kt: Vec::new(),
@@ -366,7 +367,7 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
         let mut sc = Scratch {
             q: vec![A::ZERO; MR * d],
             s: vec![A::ZERO; MR * KB],
-            o: vec![A::ZERO; MR * d],
+            o: vec![A::ZERO; MR * self.p.dv],
         };
         let nbg = self.p.b * self.p.hkv;
         let chunks = self.units / nbg;
@@ -391,7 +392,8 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
     #[inline(always)]
     fn tile<const FMA: bool>(&self, bi: usize, g: usize, t: usize, sc: &mut Scratch<A>) {
         let p = self.p;
-        let (sq, sk, d, hq, ratio) = (p.sq, p.sk, p.d, p.hq, self.ratio);
+        // q and k rows are `d` (d_qk) wide, v and o rows `dv`.
+        let (sq, sk, d, dv, hq, ratio) = (p.sq, p.sk, p.d, p.dv, p.hq, self.ratio);
         let v0 = t * MR;
         let nr = MR.min(sq * ratio - v0);
         let mut rows = [(0usize, 0usize, 0usize, 0usize); MR]; // (i, h, lo, hi)
@@ -428,7 +430,7 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
         sc.o.fill(A::ZERO);
         let kv = self.kv_buf(bi, g);
         let at = |st: [usize; 3]| (bi * st[0] + g * st[2], st[1]);
-        let vr = Rows::of(self.v_direct, &kv.v, at(p.v_strides), d);
+        let vr = Rows::of(self.v_direct, &kv.v, at(p.v_strides), dv);
         let kr = Rows::of(self.k_direct, &kv.k, at(p.k_strides), d);
         let mut m = [A::NEG_INF; MR];
         let mut l = [A::ZERO; MR];
@@ -513,7 +515,7 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
                     // The +inf scores share the row's weight (the softmax's limit); earlier
                     // finite scores get weight 0 (NaN kept).
                     if m[r] != A::INF {
-                        for o in sc.o[r * d..(r + 1) * d].iter_mut() {
+                        for o in sc.o[r * dv..(r + 1) * dv].iter_mut() {
                             *o = *o * A::ZERO;
                         }
                         l[r] = l[r] * A::ZERO;
@@ -538,7 +540,7 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
                 let sum = lanes(srow, A::ZERO, |a, x| a + x);
                 if m_new > m[r] && l[r] > A::ZERO {
                     let alpha = (m[r] - m_new).exp();
-                    for o in sc.o[r * d..(r + 1) * d].iter_mut() {
+                    for o in sc.o[r * dv..(r + 1) * dv].iter_mut() {
                         *o = *o * alpha;
                     }
                     l[r] = l[r] * alpha;
@@ -546,7 +548,7 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
                 l[r] += sum;
                 m[r] = m_new;
             }
-            pv_block::<A, FMA>(&sc.s, &rng, vr, blk, &mut sc.o, d);
+            pv_block::<A, FMA>(&sc.s, &rng, vr, blk, &mut sc.o, dv);
             blk += KB;
         }
         for (r, &(i, h, lo, hi)) in rows.iter().enumerate() {
@@ -559,15 +561,18 @@ impl<T: WithDType, A: Acc> Ctx<'_, T, A> {
             if self.sinks.is_some_and(|s| s[h].is_nan()) {
                 l[r] = A::of(f64::NAN);
             }
-            let orow = &mut sc.o[r * d..(r + 1) * d];
+            let orow = &mut sc.o[r * dv..(r + 1) * dv];
             for o in orow.iter_mut() {
                 *o = *o / l[r];
             }
-            let dst = ((bi * sq + i) * hq + h) * d;
-            // SAFETY: `out` has b * sq * hq * d elements and row (bi, i, h) belongs to this tile
+            let dst = ((bi * sq + i) * hq + h) * dv;
+            // SAFETY: `out` has b * sq * hq * dv elements and row (bi, i, h) belongs to this tile
             // only; likewise the LSE entry.
             unsafe {
-                store_row(orow, std::slice::from_raw_parts_mut(self.out.0.add(dst), d));
+                store_row(
+                    orow,
+                    std::slice::from_raw_parts_mut(self.out.0.add(dst), dv),
+                );
                 *self.lse.0.add((bi * hq + h) * sq + i) = (m[r].f64() + l[r].f64().ln()) as f32;
             }
         }
@@ -763,8 +768,8 @@ fn cpu_threads() -> usize {
 }
 
 /// Fused CPU attention over strided storage. `q`, `k`, `v` are the storages' full slices with
-/// the layouts' start offsets already applied. Returns O `(b, sq, hq, d)` contiguous in `T` and
-/// LSE `(b, hq, sq)` f32.
+/// the layouts' start offsets already applied. Returns O `(b, sq, hq, d_v)` contiguous in `T`
+/// and LSE `(b, hq, sq)` f32.
 pub(crate) fn fused<T: WithDType, A: Acc>(
     q: &[T],
     k: &[T],
@@ -775,7 +780,7 @@ pub(crate) fn fused<T: WithDType, A: Acc>(
 ) -> (Vec<T>, Vec<f32>) {
     let (b, sq, sk, hq, hkv, d) = (p.b, p.sq, p.sk, p.hq, p.hkv, p.d);
     let ratio = hq / hkv;
-    let mut out = vec![T::zero(); b * sq * hq * d];
+    let mut out = vec![T::zero(); b * sq * hq * p.dv];
     // Rows that see no key keep these: -inf, or their head's sink.
     let mut lse = vec![f32::NEG_INFINITY; b * hq * sq];
     if let Some(sinks) = sinks {
@@ -918,7 +923,7 @@ pub(crate) fn eager_chunked(
     max_elems: usize,
 ) -> Result<Tensor> {
     let p = crate::params::validate(q, k, v, params)?;
-    let biggest = p.b * p.hq * p.sk * p.sq.max(p.d);
+    let biggest = p.b * p.hq * p.sk * p.sq.max(p.d).max(p.dv);
     if biggest <= max_elems || (p.b == 1 && p.hkv == 1) {
         return eager_whole(q, k, v, params);
     }
@@ -1080,7 +1085,7 @@ fn eager_whole(q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams) -> Resul
         (Some(_), false) => {
             // A non-finite V row must reach only the rows that see it: row by row over the
             // visible range (w @ v would multiply it by the masked rows' 0).
-            let (b, hq, sq, d) = (p.b, p.hq, p.sq, p.d);
+            let (b, hq, sq, d) = (p.b, p.hq, p.sq, p.dv);
             let mut rows = Vec::with_capacity(sq);
             for i in 0..sq {
                 let (lo, hi) = visible_keys(i, sq, p.sk, p.mask, p.chunk);

@@ -148,9 +148,20 @@ fn head_dims_to_512_on_the_cpu() -> Result<()> {
         &t(&[1, 4, 2, 520])?,
         &p(Mask::None),
     );
+    // q and k may be 576 wide (MLA), v at most 512.
     assert_eq!(
         e,
-        "flashcore: q: head_dim must be a multiple of 8 in 8..=512, got 520"
+        "flashcore: v: head_dim must be a multiple of 8 in 8..=512, got 520"
+    );
+    let e = err_of(
+        &t(&[1, 4, 2, 584])?,
+        &t(&[1, 4, 2, 584])?,
+        &t(&[1, 4, 2, 512])?,
+        &p(Mask::None),
+    );
+    assert_eq!(
+        e,
+        "flashcore: q: head_dim must be a multiple of 8 in 8..=576, got 584"
     );
     Ok(())
 }
@@ -346,10 +357,12 @@ fn validation_messages() -> Result<()> {
         (err_of(&q, &k, &t(&[1, 6, 2, 64], DType::BF16), &d), "v: dtype must match q (F32), got BF16"),
         (err_of(&q, &t(&[2, 6, 2, 64], f), &t(&[2, 6, 2, 64], f), &d), "k: batch must equal q's batch 1, got 2"),
         (err_of(&q, &t(&[1, 6, 2, 32], f), &t(&[1, 6, 2, 32], f), &d), "k: head_dim must equal q's head_dim 64, got 32"),
-        (err_of(&q, &k, &t(&[1, 5, 2, 64], f), &d), "v: shape must equal k's [1, 6, 2, 64], got [1, 5, 2, 64]"),
+        (err_of(&q, &k, &t(&[1, 5, 2, 64], f), &d), "v: shape must equal k's [1, 6, 2, 64] but for the last dim (v's head_dim may differ from k's), got [1, 5, 2, 64]"),
+        (err_of(&q, &k, &t(&[1, 6, 2, 20], f), &d), "v: head_dim must be a multiple of 8 in 8..=512, got 20"),
+        (err_of(&q, &k, &t(&[1, 6, 2, 520], f), &d), "v: head_dim must be a multiple of 8 in 8..=512, got 520"),
         (err_of(&q, &t(&[1, 6, 3, 64], f), &t(&[1, 6, 3, 64], f), &d), "k: heads_q (8) must be a multiple of heads_kv, got heads_kv 3"),
-        (err_of(&t(&[1, 4, 8, 300], f), &t(&[1, 6, 2, 300], f), &t(&[1, 6, 2, 300], f), &d), "q: head_dim must be a multiple of 8 in 8..=512, got 300"),
-        (err_of(&t(&[1, 4, 8, 12], f), &t(&[1, 6, 2, 12], f), &t(&[1, 6, 2, 12], f), &d), "head_dim must be a multiple of 8 in 8..=512, got 12"),
+        (err_of(&t(&[1, 4, 8, 300], f), &t(&[1, 6, 2, 300], f), &t(&[1, 6, 2, 300], f), &d), "q: head_dim must be a multiple of 8 in 8..=576, got 300"),
+        (err_of(&t(&[1, 4, 8, 12], f), &t(&[1, 6, 2, 12], f), &t(&[1, 6, 2, 12], f), &d), "head_dim must be a multiple of 8 in 8..=576, got 12"),
         (err_of(&t(&[1, 4, 64, 8], f).transpose(2, 3)?, &k, &k, &d), "q: the last dimension (head_dim) must be contiguous (stride 1)"),
         (err_of(&t(&[1, 0, 8, 64], f), &k, &k, &d), "q: must not be empty, got shape [1, 0, 8, 64]"),
         (err_of(&q, &t(&[1, 0, 2, 64], f), &t(&[1, 0, 2, 64], f), &d), "k: must not be empty (seq_k >= 1)"),

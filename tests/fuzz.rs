@@ -1,6 +1,7 @@
 //! Deterministic property test of the public CPU API against an independent f64 model of the
 //! numeric contract (README): random shapes (lengths 0, 1, odd, seq_q != seq_k, GQA 1/4/8),
-//! masks (huge window bounds included), scales, softcap, ALiBi, dtypes, packed prefix sums and
+//! v head dims of their own (d_v != d_qk), masks (huge window bounds included), scales, softcap,
+//! ALiBi, dtypes, packed prefix sums and
 //! paged tables (shuffled, sometimes lying), strided views, and non-finite or huge values. Every
 //! call must return the right answer within the dtype's tolerance, or, when the case is invalid,
 //! an error naming one of the arguments at fault; never a panic, a wrong answer, or NaN where the
@@ -71,7 +72,9 @@ struct Case {
     dtype: DType,
     hq: usize,
     hkv: usize,
+    /// Head dim of q and k, and of v (and the output).
     d: usize,
+    dv: usize,
     params: flashcore::AttnParams,
     /// Per sequence: query rows, keys (as the model sees them, f64 of the stored values).
     seqs: Vec<SeqData>,
@@ -96,7 +99,7 @@ struct SeqData {
     sk: usize,
     q: Vec<f64>, // (sq, hq, d)
     k: Vec<f64>, // (sk, hkv, d)
-    v: Vec<f64>,
+    v: Vec<f64>, // (sk, hkv, dv)
     /// Slopes of this sequence `(hq,)`, if any.
     slopes: Option<Vec<f32>>,
 }
@@ -200,6 +203,19 @@ fn gen_case(rng: &mut Rng) -> Result<Case> {
     };
     if !d.is_multiple_of(8) {
         bad.push("q");
+    }
+    // v's head dim: mostly q's, sometimes its own (narrower or wider), rarely not a multiple of 8.
+    let dv = if rng.chance(0.3) {
+        if rng.chance(0.05) {
+            20
+        } else {
+            rng.pick(&[8usize, 16, 32, 40])
+        }
+    } else {
+        d
+    };
+    if !dv.is_multiple_of(8) {
+        bad.push("v");
     }
     let b = 1 + rng.below(3);
     // Mostly 1..=9, sometimes 0, sometimes past a 64-key block.
@@ -319,11 +335,11 @@ fn gen_case(rng: &mut Rng) -> Result<Case> {
             }
             let (qt, qv) = gen(rng, b * sq * hq * d)?;
             let (kt, kv) = gen(rng, b * sk * hkv * d)?;
-            let (vt, vv) = gen(rng, b * sk * hkv * d)?;
+            let (vt, vv) = gen(rng, b * sk * hkv * dv)?;
             let (mut qt, mut kt, mut vt) = (
                 qt.reshape((b, sq, hq, d))?,
                 kt.reshape((b, sk, hkv, d))?,
-                vt.reshape((b, sk, hkv, d))?,
+                vt.reshape((b, sk, hkv, dv))?,
             );
             if strided && hq > 0 && hkv > 0 && sq > 0 && sk > 0 {
                 qt = strided4(rng, &qt)?;
@@ -332,13 +348,13 @@ fn gen_case(rng: &mut Rng) -> Result<Case> {
             }
             (q, k, v) = (qt, kt, vt);
             for i in 0..b {
-                let (qs, ks) = (sq * hq * d, sk * hkv * d);
+                let (qs, ks, vs) = (sq * hq * d, sk * hkv * d, sk * hkv * dv);
                 seqs.push(SeqData {
                     sq,
                     sk,
                     q: qv[i * qs..(i + 1) * qs].to_vec(),
                     k: kv[i * ks..(i + 1) * ks].to_vec(),
-                    v: vv[i * ks..(i + 1) * ks].to_vec(),
+                    v: vv[i * vs..(i + 1) * vs].to_vec(),
                     slopes: slopes_of(i),
                 });
             }
@@ -359,11 +375,11 @@ fn gen_case(rng: &mut Rng) -> Result<Case> {
             let (tq, tk) = (lq.iter().sum::<usize>(), lk.iter().sum::<usize>());
             let (qt, qv) = gen(rng, tq * hq * d)?;
             let (kt, kv) = gen(rng, tk * hkv * d)?;
-            let (vt, vv) = gen(rng, tk * hkv * d)?;
+            let (vt, vv) = gen(rng, tk * hkv * dv)?;
             let (mut qt, mut kt, mut vt) = (
                 qt.reshape((tq, hq, d))?,
                 kt.reshape((tk, hkv, d))?,
-                vt.reshape((tk, hkv, d))?,
+                vt.reshape((tk, hkv, dv))?,
             );
             if strided && hq > 0 && hkv > 0 && tq > 0 && tk > 0 {
                 qt = strided3(rng, &qt)?;
@@ -377,7 +393,7 @@ fn gen_case(rng: &mut Rng) -> Result<Case> {
                     sk: lk[i],
                     q: qv[oq * hq * d..(oq + lq[i]) * hq * d].to_vec(),
                     k: kv[ok * hkv * d..(ok + lk[i]) * hkv * d].to_vec(),
-                    v: vv[ok * hkv * d..(ok + lk[i]) * hkv * d].to_vec(),
+                    v: vv[ok * hkv * dv..(ok + lk[i]) * hkv * dv].to_vec(),
                     slopes: slopes_of(i),
                 });
                 oq += lq[i];
@@ -448,8 +464,10 @@ fn gen_case(rng: &mut Rng) -> Result<Case> {
                     for i in (1..ids.len()).rev() {
                         ids.swap(i, rng.below(i + 1));
                     }
-                    let row = hkv * d;
+                    // Each pool at its own head dim (k: d, v: dv).
                     let fill = |src: &Tensor| -> Result<Tensor> {
+                        let w = src.dim(2)?;
+                        let row = hkv * w;
                         // Unused pool rows hold NaN: they must never be read.
                         let mut pool = vec![f64::NAN; num_pages * ps * row];
                         let src = src.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
@@ -470,7 +488,7 @@ fn gen_case(rng: &mut Rng) -> Result<Case> {
                             }
                             off += lk[i];
                         }
-                        Tensor::from_vec(pool, (num_pages, ps, hkv, d), &dev)?.to_dtype(dtype)
+                        Tensor::from_vec(pool, (num_pages, ps, hkv, w), &dev)?.to_dtype(dtype)
                     };
                     let kp = fill(&kt)?;
                     let vp = fill(&vt)?;
@@ -519,7 +537,7 @@ fn gen_case(rng: &mut Rng) -> Result<Case> {
         }
     }
     let desc = format!(
-        "{api:?} {dtype:?} b{b} h{hq}/{hkv} d{d} lens {:?} max ({max_q}, {max_k}) {:?} chunk {:?} scale {:?} softcap {:?} slopes {:?} strided {strided} big {big}",
+        "{api:?} {dtype:?} b{b} h{hq}/{hkv} d{d} dv{dv} lens {:?} max ({max_q}, {max_k}) {:?} chunk {:?} scale {:?} softcap {:?} slopes {:?} strided {strided} big {big}",
         seqs.iter().map(|s| (s.sq, s.sk)).collect::<Vec<_>>(),
         params.mask,
         params.chunk,
@@ -533,6 +551,7 @@ fn gen_case(rng: &mut Rng) -> Result<Case> {
         hq,
         hkv,
         d,
+        dv,
         params,
         seqs,
         bad,
@@ -597,7 +616,7 @@ fn model_row(
     h: usize,
     hq: usize,
     hkv: usize,
-    d: usize,
+    (d, dv): (usize, usize),
     acc32: bool,
     scale: f64,
     p: &flashcore::AttnParams,
@@ -670,11 +689,11 @@ fn model_row(
         scores.push(sc);
         errs.push(e);
     }
-    let vrow = |j: usize| &s.v[(j * hkv + g) * d..(j * hkv + g + 1) * d];
+    let vrow = |j: usize| &s.v[(j * hkv + g) * dv..(j * hkv + g + 1) * dv];
     let out_eps = if acc32 { 1e-6 } else { 1e-13 };
     if scores.iter().any(|x| x.is_nan()) {
         return Some(RowWant {
-            o: vec![f64::NAN; d],
+            o: vec![f64::NAN; dv],
             lse: f64::NAN,
             tol: 0.0,
             tol_lse: 0.0,
@@ -683,7 +702,7 @@ fn model_row(
     let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     if m == f64::NEG_INFINITY {
         return Some(RowWant {
-            o: vec![0.0; d],
+            o: vec![0.0; dv],
             lse: f64::NEG_INFINITY,
             tol: 0.0,
             tol_lse: 0.0,
@@ -712,7 +731,7 @@ fn model_row(
         .collect();
     let l: f64 = w.iter().sum();
     let mut vmax: f64 = 0.0;
-    let mut o = vec![0.0; d];
+    let mut o = vec![0.0; dv];
     for (jj, &wj) in w.iter().enumerate() {
         for (x, &vx) in vrow(lo + jj).iter().enumerate() {
             o[x] += wj * vx;
@@ -837,7 +856,14 @@ fn check(c: &Case) -> Option<String> {
         None if acc32 => (1.0 / (c.d as f32).sqrt()) as f64,
         None => 1.0 / (c.d as f64).sqrt(),
     };
-    let (hq, d) = (c.hq, c.d);
+    // The default scale is 1 / sqrt(d_qk), whatever v's head dim.
+    let (hq, d, dv) = (c.hq, c.d, c.dv);
+    if o.dims().last() != Some(&dv) {
+        return Some(format!(
+            "output shape {:?}: last dim is not v's {dv}",
+            o.dims()
+        ));
+    }
     let o = o
         .to_dtype(DType::F64)
         .and_then(|t| t.flatten_all()?.to_vec1::<f64>());
@@ -857,12 +883,13 @@ fn check(c: &Case) -> Option<String> {
     for (si, s) in c.seqs.iter().enumerate() {
         for i in 0..s.sq {
             for h in 0..hq {
-                let Some(want) = model_row(s, i, h, hq, c.hkv, d, acc32, scale, &c.params) else {
+                let Some(want) = model_row(s, i, h, hq, c.hkv, (d, dv), acc32, scale, &c.params)
+                else {
                     continue;
                 };
-                let at = ((row0 + i) * hq + h) * d;
-                let got = &o[at..at + d];
-                for x in 0..d {
+                let at = ((row0 + i) * hq + h) * dv;
+                let got = &o[at..at + dv];
+                for x in 0..dv {
                     let (g, w) = (got[x], want.o[x]);
                     let ok = if w.is_nan() {
                         g.is_nan()
@@ -962,6 +989,12 @@ fn append_case(rng: &mut Rng) -> Result<Option<String>> {
         1 + rng.below(2),
         8 * (1 + rng.below(2)),
     );
+    // The V pool's head dim: mostly K's, sometimes its own.
+    let dv = if rng.chance(0.3) {
+        8 * (1 + rng.below(3))
+    } else {
+        d
+    };
     let b = 1 + rng.below(3);
     let max_pages = 1 + rng.below(4);
     let packed = rng.chance(0.5);
@@ -972,13 +1005,13 @@ fn append_case(rng: &mut Rng) -> Result<Option<String>> {
     };
     let total: usize = counts.iter().sum();
     let mut bad: Vec<&'static str> = Vec::new();
-    let pool_vals = |rng: &mut Rng| -> Result<Tensor> {
+    let pool_vals = |rng: &mut Rng, d: usize| -> Result<Tensor> {
         let x: Vec<f32> = (0..np * ps * h * d).map(|_| rng.normal() as f32).collect();
         Tensor::from_vec(x, (np, ps, h, d), &dev)?.to_dtype(dtype)
     };
-    let k_pages = pool_vals(rng)?;
-    let mut v_pages = pool_vals(rng)?;
-    let new_vals = |rng: &mut Rng| -> Result<Tensor> {
+    let k_pages = pool_vals(rng, d)?;
+    let mut v_pages = pool_vals(rng, dv)?;
+    let new_vals = |rng: &mut Rng, d: usize| -> Result<Tensor> {
         let x: Vec<f32> = (0..total * h * d).map(|_| rng.normal() as f32).collect();
         let t = Tensor::from_vec(x, (total, h, d), &dev)?.to_dtype(dtype)?;
         if packed {
@@ -987,8 +1020,8 @@ fn append_case(rng: &mut Rng) -> Result<Option<String>> {
             t.reshape((b, counts[0], h, d))
         }
     };
-    let k_new = new_vals(rng)?;
-    let mut v_new = new_vals(rng)?;
+    let k_new = new_vals(rng, d)?;
+    let mut v_new = new_vals(rng, dv)?;
     // Tables: mostly distinct pages per sequence, sometimes shared or outside the pool.
     let mut table = vec![0u32; b * max_pages];
     for e in table.iter_mut() {
@@ -1031,7 +1064,7 @@ fn append_case(rng: &mut Rng) -> Result<Option<String>> {
     // Structural faults.
     match rng.below(40) {
         0 => {
-            v_pages = Tensor::zeros((np, ps, d, h), dtype, &dev)?.transpose(2, 3)?;
+            v_pages = Tensor::zeros((np, ps, dv, h), dtype, &dev)?.transpose(2, 3)?;
             if h > 1 {
                 bad.push("v_pages");
             }
@@ -1040,13 +1073,18 @@ fn append_case(rng: &mut Rng) -> Result<Option<String>> {
             v_new = v_pages
                 .narrow(0, 0, 1)?
                 .narrow(1, 0, counts[0])?
-                .broadcast_as((b, counts[0], h, d))?;
+                .broadcast_as((b, counts[0], h, dv))?;
             // A broadcast view of the pool: same storage.
             bad.push("v_new");
         }
-        2 => {
+        2 if dv == d => {
             v_pages = k_pages.clone();
             bad.push("v_pages");
+        }
+        3 => {
+            // New V rows at another head dim than their pool's.
+            v_new = new_vals(rng, dv + 8)?;
+            bad.push("v_new");
         }
         _ => {}
     }
@@ -1076,7 +1114,7 @@ fn append_case(rng: &mut Rng) -> Result<Option<String>> {
             flashcore::append_kv_paged(&k_new, &v_new, &k_pages, &v_pages, &table_t, &pos_t)
         }
     }));
-    let desc = format!("append {dtype:?} pool ({np}, {ps}, {h}, {d}) b{b} counts {counts:?} packed {packed} pos {pos:?} bad {bad:?}");
+    let desc = format!("append {dtype:?} pool ({np}, {ps}, {h}, {d}/{dv}) b{b} counts {counts:?} packed {packed} pos {pos:?} bad {bad:?}");
     let got = match got {
         Err(_) => return Ok(Some(format!("{desc}: PANIC"))),
         Ok(r) => r,
@@ -1105,7 +1143,7 @@ fn append_case(rng: &mut Rng) -> Result<Option<String>> {
         (Err(e), true) => Ok(Some(format!("{desc}: unexpected error {e}"))),
         (Ok(()), false) => Ok(Some(format!("{desc}: accepted"))),
         (Ok(()), true) => {
-            let row = h * d;
+            let (row, vrow) = (h * d, h * dv);
             let (kn, vn) = (
                 k_new
                     .to_dtype(DType::F64)?
@@ -1118,9 +1156,9 @@ fn append_case(rng: &mut Rng) -> Result<Option<String>> {
             );
             let (mut want_k, mut want_v) = (before_k, before_v);
             for &(slot, i, j) in &slots {
-                let src = (cu[i] as usize + j) * row;
+                let (src, vsrc) = ((cu[i] as usize + j) * row, (cu[i] as usize + j) * vrow);
                 want_k[slot * row..(slot + 1) * row].copy_from_slice(&kn[src..src + row]);
-                want_v[slot * row..(slot + 1) * row].copy_from_slice(&vn[src..src + row]);
+                want_v[slot * vrow..(slot + 1) * vrow].copy_from_slice(&vn[vsrc..vsrc + vrow]);
             }
             if want_k != after_k || want_v != after_v {
                 return Ok(Some(format!("{desc}: pools differ from the model")));

@@ -1162,3 +1162,55 @@ fn sinks_non_finite_on_the_gpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// Windows with a right bound on sm_90 run the sm90 window kernels (`sm90_window`, kernels/sm90
+/// fwd.cuh `WINDOW`) up to 32 query tiles of 128 rows (their dynamic schedule): left bounds
+/// cutting tiles, right bounds past the diagonal, no left bound, seq_q > seq_k and seq_q < seq_k,
+/// GQA, head dims below the kernel's; windows without a right bound, and longer queries, stay on
+/// the sm80 family. Against the float64 reference (outputs poisoned), the route
+/// asserted on an sm_90 device unless another family is forced.
+#[test]
+fn sm90_windows() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let sm90 = match &dev {
+        Device::Cuda(cuda) => {
+            flashcore::cuda::device_info(cuda)?.major == 9
+                && std::env::var("FLASHCORE_TEST_ARCH").map_or(true, |a| a == "sm90")
+        }
+        _ => false,
+    };
+    let w = |left: Option<usize>, right: Option<usize>| Mask::Window { left, right };
+    // (b, sq, sk, hq, hkv, d, mask, the sm90 window kernel on sm_90)
+    let cases = [
+        (2, 1023, 1023, 64, 8, 64, w(Some(127), Some(0)), true),
+        (1, 4096, 4096, 8, 8, 128, w(Some(1000), Some(0)), true),
+        (1, 4224, 4224, 8, 8, 128, w(Some(1000), Some(0)), false),
+        (2, 113, 4224, 8, 2, 64, w(Some(300), Some(5)), true),
+        (1, 2113, 1000, 8, 4, 128, w(Some(50), Some(200)), true),
+        (1, 700, 700, 8, 1, 64, w(None, Some(30)), true),
+        (2, 257, 257, 4, 4, 128, w(Some(0), Some(0)), true),
+        (1, 1500, 3000, 8, 8, 96, w(Some(129), Some(1)), true),
+        (1, 600, 600, 8, 2, 64, w(Some(64), None), false),
+    ];
+    for (n, (b, sq, sk, hq, hkv, d, mask, window_kernel)) in cases.into_iter().enumerate() {
+        let c = Case {
+            b,
+            sq,
+            sk,
+            hq,
+            hkv,
+            d,
+            dtype: if n % 2 == 0 { DType::BF16 } else { DType::F16 },
+            mask,
+            strided: n % 3 == 1,
+        };
+        let (e, ne, kernel) = check(&dev, &c)?;
+        println!("[OK] {c}: err {e:.2e} (naive {ne:.2e}) {kernel}");
+        if sm90 {
+            let on_window = kernel.contains("sm90_fwd") && kernel.contains("_local_");
+            assert_eq!(on_window, window_kernel, "{c}: {kernel}");
+        }
+    }
+    Ok(())
+}

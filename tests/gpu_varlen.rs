@@ -105,9 +105,10 @@ fn check_packed(
     let t0 = std::time::Instant::now();
     let ctx = |e: Error| Error::Msg(format!("{what}: {e}"));
     let (hq, _) = vl.heads();
-    let (tq, d) = (vl.total_q(), vl.head_dim());
+    // The output has v's head dim.
+    let (tq, dv) = (vl.total_q(), vl.v_head_dim());
     let (o, lse) = run(p).map_err(ctx)?;
-    assert_eq!(o.dims(), &[tq, hq, d], "{what}: output shape");
+    assert_eq!(o.dims(), &[tq, hq, dv], "{what}: output shape");
     assert_eq!(
         lse.dims(),
         &[hq, tq],
@@ -171,7 +172,10 @@ fn check_dense(what: &str, q: &Tensor, k: &Tensor, v: &Tensor, p: &AttnParams) -
         _ => "cpu".into(),
     };
     let (o, lse) = attention_with_lse(q, k, v, p).map_err(ctx)?;
-    assert_eq!(o.dims(), q.dims(), "{what}: output shape");
+    // q's shape with v's head dim.
+    let mut want_dims = q.dims().to_vec();
+    want_dims[3] = v.dim(3)?;
+    assert_eq!(o.dims(), want_dims.as_slice(), "{what}: output shape");
     let o = o.to_device(&Device::Cpu)?;
     let lse = lse.to_device(&Device::Cpu)?;
     let bad = non_finite(&o)?;
@@ -1654,5 +1658,121 @@ fn sinks_paged_on_the_gpu() -> Result<()> {
         }
     }
     println!("sinks_paged_on_the_gpu: {n} cases passed");
+    Ok(())
+}
+
+/// A separate V head dim on the GPU (zero-padded to `max(d_qk, d_v)`, output narrowed back:
+/// docs/decisions.md#separate-v-head-dim): (192, 128) (DeepSeek prefill) and (64, 128), dense
+/// prefill and decode, packed batches (empty sequences, 1, 113), paged decode and prefill over
+/// K and V pools of two widths (shuffled pages, NaN in unused rows), masks, GQA, softcap, ALiBi
+/// and sinks rotating, both dtypes; outputs poisoned first, against the f64 reference / the CPU
+/// path. The dispatcher's description says it pads. Head dims past 256 are refused naming the
+/// argument.
+#[test]
+fn v_head_dim_on_the_gpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    let mut rng = Rng::from_clock("v_head_dim_on_the_gpu");
+    let mut n = 0;
+    let with_sinks = |p: AttnParams, n: usize, hq: usize| -> Result<AttnParams> {
+        Ok(if n % 3 == 2 {
+            AttnParams {
+                sinks: Some(test_sinks(hq, &dev)?),
+                ..p
+            }
+        } else {
+            p
+        })
+    };
+    for (d, dv) in [(192, 128), (64, 128)] {
+        // Dense: prefill and decode shapes.
+        for &(b, sq, sk, hq, hkv) in &[
+            (1, 113, 113, 8, 2),
+            (2, 1023, 1023, 4, 4),
+            (2, 1, 4224, 16, 1),
+            (1, 7, 300, 8, 8),
+        ] {
+            for dtype in [DType::BF16, DType::F16] {
+                let strided = n % 2 == 1;
+                let r = |s: (usize, usize, usize, usize)| -> Result<Tensor> {
+                    Tensor::randn(0f32, 1., s, &dev)?.to_dtype(dtype)
+                };
+                let q = r((b, sq, hq + 2, d))?.narrow(2, 1, hq)?;
+                let k = if strided {
+                    r((b, hkv, sk, d))?.transpose(1, 2)?
+                } else {
+                    r((b, sk, hkv, d))?
+                };
+                let v = r((b, sk, hkv, dv))?;
+                let p = with_sinks(options(&dev, n, MASKS[n % 4], b, hq)?, n, hq)?;
+                let route = flashcore::cuda::describe(cuda, &p, &q, &k, &v)?;
+                assert!(
+                    route.starts_with(&format!("padded to d={}, then ", d.max(dv))),
+                    "{route}"
+                );
+                let what = format!("dv dense {dtype:?} b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d}/{dv}");
+                check_dense(&what, &q, &k, &v, &p)?;
+                n += 1;
+            }
+        }
+        // Packed batches.
+        let lens = [(0, 3), (113, 113), (1, 300), (5, 0), (40, 9), (1, 1)];
+        for dtype in [DType::BF16, DType::F16] {
+            let (hq, hkv) = [(8, 2), (4, 4)][n % 2];
+            let vl = Varlen::random_dv(&lens, hq, hkv, d, dv, dtype, n % 2 == 0, &dev)?;
+            let p = with_sinks(options(&dev, n, MASKS[n % 4], lens.len(), hq)?, n, hq)?;
+            check_varlen("dv varlen", &vl, &p, true)?;
+            n += 1;
+        }
+        // Paged: decode (dense and packed q) and chunked prefill, pages of 16 and 64.
+        let decode: Vec<(usize, usize)> = vec![(1, 0), (1, 1), (1, 4224), (1, 300), (1, 17)];
+        let chunked: Vec<(usize, usize)> = vec![(113, 1023), (0, 64), (300, 700), (1, 1)];
+        for (name, lens, dense_q) in [
+            ("dv paged-decode", &decode, true),
+            ("dv paged-chunked", &chunked, false),
+        ] {
+            for page_size in [16usize, 64] {
+                let (hq, hkv) = [(16, 2), (8, 8), (8, 1)][n % 3];
+                let dtype = if n % 2 == 0 { DType::BF16 } else { DType::F16 };
+                let p = with_sinks(options(&dev, n, MASKS[n % 4], lens.len(), hq)?, n, hq)?;
+                let vl = Varlen::random_dv(lens, hq, hkv, d, dv, dtype, false, &dev)?;
+                let pg = Paged::from_varlen(&vl, page_size, 0, &mut rng)?;
+                let tag = format!("{name} page {page_size} d{d}/{dv}");
+                let plain = |p: &AttnParams| pg.run_varlen_o(&vl, p);
+                check_packed(&tag, &vl, &p, &|p| pg.run_varlen(&vl, p), Some(&plain))?;
+                if dense_q {
+                    check_packed(
+                        &format!("{tag} dense q"),
+                        &vl,
+                        &p,
+                        &|p| pg.run_dense(&vl, p),
+                        None,
+                    )?;
+                }
+                n += 1;
+            }
+        }
+    }
+    // Past 256 on either side: refused before anything runs, naming the argument.
+    let z = |s: (usize, usize, usize, usize)| Tensor::zeros(s, DType::BF16, &dev);
+    for (d, dv, arg, got) in [(192, 264, "v", 264), (264, 128, "q", 264)] {
+        let e = flashcore::attention(
+            &z((1, 8, 2, d))?,
+            &z((1, 8, 2, d))?,
+            &z((1, 8, 2, dv))?,
+            &AttnParams::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains(&format!("{arg}: head_dim must be at most 256 on a GPU"))
+                && e.contains(&format!("got {got}")),
+            "{e}"
+        );
+    }
+    println!("v_head_dim_on_the_gpu: {n} cases passed");
     Ok(())
 }

@@ -309,3 +309,59 @@ fn continuous_batching_tensor_parallel_matches_one_rank() -> Result<()> {
     assert_same_tokens(&b, &a);
     Ok(())
 }
+
+#[test]
+fn fp8_pools_hold_half_the_bytes_and_follow_the_f32_engine() -> Result<()> {
+    let mut model = tiny_model()?;
+    let cfg = model.config().clone();
+    let vocab = cfg.vocab_size;
+    // One byte per element: a quarter of f32's page, half of bf16's.
+    assert_eq!(
+        4 * KvPool::page_bytes(&cfg, 16, DType::F8E4M3, 1),
+        KvPool::page_bytes(&cfg, 16, DType::F32, 1)
+    );
+    let shapes = [(1, 6), (15, 6), (17, 6), (40, 6), (113, 6), (64, 6)];
+    let reqs = requests(&shapes, vocab, 23);
+    let opt = quiet();
+    let limits = Limits {
+        max_seqs: 4,
+        max_batch_tokens: 24,
+    };
+    let mut pool = KvPool::new(&model, 64, 16, DType::F32)?;
+    let exact = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool)?;
+
+    // An FP8 pool without scales is refused, naming the FP8 append.
+    let mut pool8 = KvPool::new(&model, 64, 16, DType::F8E4M3)?;
+    let Err(err) = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool8) else {
+        panic!("FP8 pools without kv scales must be refused")
+    };
+    assert!(
+        format!("{err:#}").contains("append_kv_paged_fp8"),
+        "{err:#}"
+    );
+
+    // A scale far from 1, so that a path that dropped it (storing x / s, reading it back
+    // without * s) would be off by 20x and lose the tokens.
+    model.set_kv_scale(Some(0.05))?;
+    let mut pool8 = KvPool::new(&model, 64, 16, DType::F8E4M3)?;
+    let fp8 = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool8)?;
+    let (mut same, mut total) = (0, 0);
+    for (a, b) in fp8.finished.iter().zip(&exact.finished) {
+        assert_eq!(a.id, b.id);
+        assert_eq!(a.tokens.len(), b.tokens.len());
+        // Greedy continuations agree until the first flip; count the common prefix.
+        same += a
+            .tokens
+            .iter()
+            .zip(&b.tokens)
+            .take_while(|(x, y)| x == y)
+            .count();
+        total += b.tokens.len();
+    }
+    eprintln!("fp8 pools: {same}/{total} greedy tokens before the first difference");
+    assert!(
+        same * 10 >= total * 8,
+        "fp8 pools: {same}/{total} tokens agree"
+    );
+    Ok(())
+}

@@ -62,8 +62,9 @@ struct Args {
     /// For --shape: learnable attention sinks (random f32 per query head), as the sinks grid.
     #[arg(long)]
     sinks: bool,
-    /// A named grid: fa3, seeds, llama, sinks (comma-separated for several). sinks: gpt-oss's
+    /// A named grid: fa3, seeds, llama, sinks, dv (comma-separated for several). sinks: gpt-oss's
     /// attention (d64, 64/8 heads, learnable sinks; causal, and a causal window of 128 keys).
+    /// dv: DeepSeek's prefill head dims (q/k 192, v 128; 16 heads).
     /// fp8decode (alone): paged decode over a bf16 cache against the same cache in FP8
     /// (examples/bench/fp8.rs).
     #[arg(long)]
@@ -239,9 +240,16 @@ struct Problem {
     window: Option<usize>,
     /// Attention sinks (`AttnParams::sinks`), random f32 per query head.
     sinks: bool,
+    /// V's (and the output's) head dim when it differs from q/k's `d`.
+    dv: Option<usize>,
 }
 
 impl Problem {
+    fn dv(&self) -> usize {
+        self.dv.unwrap_or(self.d)
+    }
+    /// Two matrix products per visible (query, key) pair: `2 d` FLOPs for the scores and
+    /// `2 dv` for the weighted values.
     fn flops(&self) -> f64 {
         if let Some(lens) = &self.lens {
             let one = |l: usize| Problem {
@@ -265,23 +273,23 @@ impl Problem {
                     (hi - lo).max(0) as usize
                 })
                 .sum();
-            return 4.0 * (self.b * self.hq) as f64 * seen as f64 * self.d as f64;
+            return 2.0 * (self.b * self.hq) as f64 * seen as f64 * (self.d + self.dv()) as f64;
         }
         let avg_sk = if self.causal {
             ((self.sk.saturating_sub(self.sq)) + self.sk) as f64 / 2.0
         } else {
             self.sk as f64
         };
-        4.0 * (self.b * self.hq * self.sq) as f64 * avg_sk * self.d as f64
+        2.0 * (self.b * self.hq * self.sq) as f64 * avg_sk * (self.d + self.dv()) as f64
     }
     fn bytes(&self, elem: usize) -> f64 {
         if let Some(lens) = &self.lens {
             let t: usize = lens.iter().sum();
-            return (elem * (2 * t * self.hq * self.d + 2 * t * self.hkv * self.d)) as f64;
+            let dd = self.d + self.dv();
+            return (elem * (t * self.hq * dd + t * self.hkv * dd)) as f64;
         }
-        (elem
-            * (2 * self.b * self.sq * self.hq * self.d + 2 * self.b * self.sk * self.hkv * self.d))
-            as f64
+        let dd = self.d + self.dv();
+        (elem * (self.b * self.sq * self.hq * dd + self.b * self.sk * self.hkv * dd)) as f64
     }
 }
 
@@ -303,6 +311,7 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                             lens: None,
                             window: None,
                             sinks: false,
+                            dv: None,
                         });
                     }
                 }
@@ -320,6 +329,7 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                 lens: None,
                 window: None,
                 sinks: false,
+                dv: None,
             });
             v.push(Problem {
                 b: 1,
@@ -332,6 +342,7 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                 lens: None,
                 window: None,
                 sinks: false,
+                dv: None,
             });
         }
         "llama" => {
@@ -346,6 +357,7 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                 lens: None,
                 window: None,
                 sinks: false,
+                dv: None,
             });
             for b in [1, 8, 64] {
                 for sk in [4096, 8192, 32768] {
@@ -360,6 +372,7 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                         lens: None,
                         window: None,
                         sinks: false,
+                        dv: None,
                     });
                 }
             }
@@ -380,11 +393,33 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                         lens: None,
                         window,
                         sinks: true,
+                        dv: None,
                     });
                 }
             }
         }
-        _ => bail!("unknown grid {name:?}: expected fa3, seeds, llama or sinks"),
+        "dv" => {
+            // DeepSeek-V3 prefill: q/k head dim 192 (128 + 64 rope), v 128; 16 heads (a TP-8
+            // shard of 128); 16k tokens per call
+            for causal in [false, true] {
+                for s in [1024, 2048, 4096, 8192, 16384] {
+                    v.push(Problem {
+                        b: 16384 / s,
+                        hq: 16,
+                        hkv: 16,
+                        sq: s,
+                        sk: s,
+                        d: 192,
+                        causal,
+                        lens: None,
+                        window: None,
+                        sinks: false,
+                        dv: Some(128),
+                    });
+                }
+            }
+        }
+        _ => bail!("unknown grid {name:?}: expected fa3, seeds, llama, sinks or dv"),
     }
     Ok(v)
 }
@@ -638,6 +673,7 @@ fn main() -> Result<()> {
             lens: Some(lens),
             window: None,
             sinks: false,
+            dv: None,
         }]
     } else if let Some(s) = &args.shape {
         let n: Vec<usize> = s
@@ -662,6 +698,7 @@ fn main() -> Result<()> {
             lens: None,
             window: args.window,
             sinks: args.sinks,
+            dv: None,
         }]
     } else if let Some(g) = &args.grid {
         g.split(',').map(grid).collect::<Result<Vec<_>>>()?.concat()
@@ -677,6 +714,7 @@ fn main() -> Result<()> {
             lens: None,
             window: None,
             sinks: false,
+            dv: None,
         }]
     } else {
         vec![Problem {
@@ -690,6 +728,7 @@ fn main() -> Result<()> {
             lens: None,
             window: None,
             sinks: false,
+            dv: None,
         }]
     };
     if let Some(d) = args.head_dim {
@@ -740,7 +779,7 @@ fn main() -> Result<()> {
             sets.push((
                 r((p.b, p.sq, p.hq, p.d))?,
                 r((p.b, p.sk, p.hkv, p.d))?,
-                r((p.b, p.sk, p.hkv, p.d))?,
+                r((p.b, p.sk, p.hkv, p.dv()))?,
             ));
         }
         let params = AttnParams {
@@ -834,7 +873,7 @@ fn main() -> Result<()> {
             let gbps = bytes / us / 1e3;
             let mut row = json!({
                 "backend": backend, "arch": arch, "dtype": args.dtype,
-                "b": p.b, "hq": p.hq, "hkv": p.hkv, "sq": p.sq, "sk": p.sk, "d": p.d,
+                "b": p.b, "hq": p.hq, "hkv": p.hkv, "sq": p.sq, "sk": p.sk, "d": p.d, "dv": p.dv(),
                 "causal": p.causal, "softcap": args.softcap.unwrap_or(0.0),
                 "window": p.window, "sinks": p.sinks,
                 "us": json_num(us), "tflops": json_num(tflops), "gbps": json_num(gbps),
@@ -862,8 +901,10 @@ fn main() -> Result<()> {
                 };
                 let e = verdict_text(err);
                 println!(
-                    "[{status}] {backend:<9} {arch:<6} {} b{} h{}/{} s{}/{} d{}{}{}{}{}{} : {us:9.1} us {perf}{e}",
-                    args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d, if p.causal { " causal" } else { "" },
+                    "[{status}] {backend:<9} {arch:<6} {} b{} h{}/{} s{}/{} d{}{}{}{}{}{}{} : {us:9.1} us {perf}{e}",
+                    args.dtype, p.b, p.hq, p.hkv, p.sq, p.sk, p.d,
+                    p.dv.map_or(String::new(), |v| format!("/{v}")),
+                    if p.causal { " causal" } else { "" },
                     p.window.map_or(String::new(), |w| format!(" window {w}")),
                     if p.sinks { " sinks" } else { "" },
                     args.softcap.map_or(String::new(), |c| format!(" softcap {c}")),

@@ -130,11 +130,16 @@ impl RunArgs {
     /// The run's device (the first GPU when there is one, unless `--cpu`) and dtype (default
     /// bf16 on a GPU, f32 on the CPU); seeds the GPU's generator (candle's CPU generator cannot
     /// be seeded).
-    pub fn device_and_dtype(&self) -> Result<(Device, DType)> {
+    /// With several ranks (`tp > 1`) on GPUs the device gets its own stream (see
+    /// [`crate::tp::rank_devices`]).
+    pub fn device_and_dtype(&self, tp: usize) -> Result<(Device, DType)> {
         let device = if self.cpu {
             Device::Cpu
         } else {
-            Device::cuda_if_available(0)?
+            match Device::cuda_if_available(0)? {
+                Device::Cuda(_) if tp > 1 => Device::new_cuda_with_stream(0)?,
+                d => d,
+            }
         };
         let dtype = match self.dtype {
             Some(RunDtype::Bf16) => DType::BF16,
@@ -219,14 +224,6 @@ impl TpArgs {
         }
         #[cfg(feature = "cuda")]
         {
-            if std::env::var_os("FLASHCORE_TP_GPU").is_none() {
-                bail!(
-                    "--tp {n} on GPUs is off by default: on a two-H100 machine the single-process \
-                     NCCL path hung (each rank's first all-reduces were enqueued, then both host \
-                     threads blocked with the GPUs idle; examples/llama/README.md#tensor-parallelism). \
-                     Set FLASHCORE_TP_GPU=1 to run it anyway; --cpu --tp {n} emulates the ranks"
-                )
-            }
             let (handles, info) =
                 crate::nccl::group(n, self.nccl_lib.as_deref(), self.time_allreduce)?;
             let v = info.version;

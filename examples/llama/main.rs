@@ -379,27 +379,55 @@ fn compare_tp(args: &Args, n: usize, device: &Device, dtype: DType, ranks: Ranks
         &mut greedy,
         &mut |_| Ok(()),
     )?;
-    let ref_logits = forced_logits(&one.model, &mut cache, &prompt, &reference.tokens)?;
+    let ref_logits =
+        forced_logits(&one.model, &mut cache, &prompt, &reference.tokens)?.to_dtype(DType::F32)?;
     drop((cache, one));
+    // In bf16/f16, the rounding of one GPU's model is the yardstick: the same model in f32, fed
+    // the same tokens, against both the one-GPU and the N-GPU logits.
+    let exact = if dtype == DType::F32 {
+        None
+    } else {
+        let mut m = load_model(args, DType::F32, &Ranks::one(device))?;
+        // The GPU kernels take f16/bf16 only: the f32 yardstick runs eager attention.
+        m.model.attn = AttnBackend::Eager;
+        let mut cache = KvCache::new(&m.model, 1, positions(&m.model, prompt.len())?, DType::F32)?;
+        Some(forced_logits(
+            &m.model,
+            &mut cache,
+            &prompt,
+            &reference.tokens,
+        )?)
+    };
     let tp = load_model(args, dtype, &ranks)?;
     let mut cache = KvCache::new(&tp.model, 1, positions(&tp.model, prompt.len())?, dtype)?;
-    let tp_logits = forced_logits(&tp.model, &mut cache, &prompt, &reference.tokens)?;
-    let (a, b) = (
-        model::argmax_rows(&ref_logits)?,
-        model::argmax_rows(&tp_logits)?,
-    );
-    let agree = a.iter().zip(&b).filter(|(x, y)| x == y).count();
+    let tp_logits =
+        forced_logits(&tp.model, &mut cache, &prompt, &reference.tokens)?.to_dtype(DType::F32)?;
+    let agree = |x: &Tensor, y: &Tensor| -> Result<usize> {
+        let (a, b) = (model::argmax_rows(x)?, model::argmax_rows(y)?);
+        Ok(a.iter().zip(&b).filter(|(x, y)| x == y).count())
+    };
     let max_abs =
         |t: &Tensor| -> Result<f32> { Ok(t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?) };
+    let same = agree(&ref_logits, &tp_logits)?;
     let diff = max_abs(&(&ref_logits - &tp_logits)?)?;
     let scale = max_abs(&ref_logits)?;
+    let yardstick = match &exact {
+        None => String::new(),
+        Some(e) => format!(
+            ",\"f32_one_max_abs_diff\":{},\"f32_tp_max_abs_diff\":{},\"f32_one_argmax_agree\":{},\"f32_tp_argmax_agree\":{}",
+            max_abs(&(e - &ref_logits)?)?,
+            max_abs(&(e - &tp_logits)?)?,
+            agree(e, &ref_logits)?,
+            agree(e, &tp_logits)?,
+        ),
+    };
     let tp_n = tp.model.tp();
     println!(
-        "{{\"mode\":\"compare_tp\",\"model\":{},\"dtype\":\"{}\",\"tp\":{tp_n},\"prompt_tokens\":{},\"positions\":{n},\"argmax_agree\":{agree},\"greedy_tokens_equal\":{},\"max_abs_logit_diff\":{diff},\"max_abs_logit\":{scale}}}",
+        "{{\"mode\":\"compare_tp\",\"model\":{},\"dtype\":\"{}\",\"tp\":{tp_n},\"prompt_tokens\":{},\"positions\":{n},\"argmax_agree\":{same},\"greedy_tokens_equal\":{},\"max_abs_logit_diff\":{diff},\"max_abs_logit\":{scale}{yardstick}}}",
         json!(&tp.description),
         dtype_name(dtype),
         prompt.len(),
-        agree == n,
+        same == n,
     );
     Ok(())
 }
@@ -407,7 +435,7 @@ fn compare_tp(args: &Args, n: usize, device: &Device, dtype: DType, ranks: Ranks
 fn main() -> Result<()> {
     let args = Args::parse();
     args.tp.before_cuda(&args.run);
-    let (device, dtype) = args.run.device_and_dtype()?;
+    let (device, dtype) = args.run.device_and_dtype(args.tp.tp)?;
     let ranks = args.tp.ranks(&args.run, &device)?;
     if let Some(n) = args.compare_tp {
         anyhow::ensure!(args.tp.tp > 1, "--compare-tp needs --tp N > 1");

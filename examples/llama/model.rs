@@ -646,6 +646,7 @@ impl Attention {
         batch: &BatchTensors,
         total: usize,
         pool: &(Tensor, Tensor),
+        kv_scales: Option<&flashcore::KvScales>,
     ) -> Result<Tensor> {
         let (hq, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let q = self.q_proj.forward(x)?.reshape((1, total, hq, d))?;
@@ -653,19 +654,19 @@ impl Attention {
         let v = self.v_proj.forward(x)?.reshape((total, hkv, d))?;
         let (q, k) = Rope::apply_with(&q, &k, cos_sin)?;
         let (k_pages, v_pages) = pool;
-        flashcore::append_kv_paged_varlen(
-            &k.reshape((total, hkv, d))?,
-            &v.contiguous()?,
-            k_pages,
-            v_pages,
-            &batch.table,
-            &batch.cu_new,
-            &batch.start,
-        )?;
+        let (k, v) = (k.reshape((total, hkv, d))?, v.contiguous()?);
+        let (t, cu, at) = (&batch.table, &batch.cu_new, &batch.start);
+        match kv_scales {
+            None => flashcore::append_kv_paged_varlen(&k, &v, k_pages, v_pages, t, cu, at)?,
+            Some(sc) => {
+                flashcore::append_kv_paged_varlen_fp8(&k, &v, k_pages, v_pages, t, cu, at, sc)?
+            }
+        }
         let q = q.reshape((total, hq, d))?;
         let params = flashcore::AttnParams {
             softmax_scale: Some(softmax_scale(d) as f32),
             mask: flashcore::Mask::Causal,
+            kv_scales: kv_scales.cloned(),
             ..Default::default()
         };
         let mut outs = Vec::with_capacity(batch.groups.len());
@@ -928,6 +929,8 @@ struct Rank {
     rope: Rope,
     comm: Option<Arc<dyn AllReduce>>,
     device: Device,
+    /// Descales of FP8 K/V pools (`Model::set_kv_scale`), on this rank's device.
+    kv_scales: Option<flashcore::KvScales>,
 }
 
 /// The decoder: one [`Rank`] per GPU of a tensor-parallel group (one for TP=1). Every method
@@ -988,6 +991,7 @@ impl Rank {
             rope: Rope::new(cfg, max_pos, vb.dtype(), vb.device())?,
             comm,
             device: vb.device().clone(),
+            kv_scales: None,
         })
     }
 
@@ -1042,7 +1046,10 @@ impl Rank {
         let mut x = self.embed.forward(&bt.tokens)?.unsqueeze(0)?;
         for (block, pool) in self.blocks.iter().zip(pools) {
             x = block.forward(x, eps, self.comm(), |h| {
-                block.attn.forward_paged(h, &cos_sin, bt, batch.total, pool)
+                let scales = self.kv_scales.as_ref();
+                block
+                    .attn
+                    .forward_paged(h, &cos_sin, bt, batch.total, pool, scales)
             })?;
         }
         if self.lm_head.is_none() {
@@ -1126,6 +1133,24 @@ impl Model {
             Some(c) => c.take_ms(),
             None => Ok(0.0),
         }
+    }
+
+    /// Paged K/V pools in FP8 (e4m3) hold `x / scale` and attention reads them back times `scale`
+    /// (one scale per tensor for K and V alike; `None`: pools in the model's dtype).
+    pub fn set_kv_scale(&mut self, scale: Option<f32>) -> Result<()> {
+        for r in &mut self.ranks {
+            r.kv_scales = match scale {
+                None => None,
+                Some(s) => {
+                    if !(s.is_finite() && s > 0.0) {
+                        bail!("--kv-scale must be a positive finite number, got {s}")
+                    }
+                    let t = Tensor::new(&[s], &r.device)?;
+                    Some(flashcore::KvScales { k: t.clone(), v: t })
+                }
+            };
+        }
+        Ok(())
     }
 
     /// Each rank's device; rank 0's is where inputs go and logits come back.

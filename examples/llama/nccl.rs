@@ -205,11 +205,13 @@ struct Group {
 /// How the ranks' all-reduces reach NCCL (`FLASHCORE_TP_LAUNCH`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Launch {
-    /// Every rank's thread calls `ncclAllReduce` on its own communicator.
+    /// Every rank's thread calls `ncclAllReduce` on its own communicator; the ranks' host
+    /// threads never wait for each other (the collectives meet on the GPUs). Runs a two-layer
+    /// model but hangs on Llama-3-8B shapes (examples/llama/README.md#tensor-parallelism).
     Threads,
     /// Each rank's thread deposits its call; the last to arrive issues all of them between
     /// `ncclGroupStart` and `ncclGroupEnd` (NCCL's single-thread, several-GPU usage), and the
-    /// others wait for that. The default.
+    /// others wait for that: a host rendezvous per all-reduce (`tp::Meeting`). The default.
     Grouped,
 }
 

@@ -160,6 +160,13 @@ impl AllReduce for LocalSum {
 }
 
 /// The devices of a TP group of `n` ranks: GPUs `0..n`, or `n` times the CPU (emulated ranks).
+///
+/// Every GPU of a group has its own stream (`first` must be one too: `RunArgs::device_and_dtype`
+/// with `tp > 1`). candle's plain `Device::new_cuda` runs on CUDA's per-thread default stream,
+/// whose handle means "the calling thread's stream": a rank's ops would then land on a different
+/// stream for every thread that issues them (each step's rank threads, the thread that issues a
+/// grouped all-reduce for all ranks), unordered with each other
+/// (docs/decisions.md#tensor-parallelism-in-the-examples-threads-whole-heads-nccl-loaded-at-run-time).
 pub fn rank_devices(first: &Device, n: usize) -> Result<Vec<Device>> {
     match first {
         Device::Cpu => Ok(vec![Device::Cpu; n]),
@@ -171,7 +178,7 @@ pub fn rank_devices(first: &Device, n: usize) -> Result<Vec<Device>> {
             }
             let mut v = vec![first.clone()];
             for i in 1..n {
-                v.push(Device::new_cuda(i)?);
+                v.push(Device::new_cuda_with_stream(i)?);
             }
             Ok(v)
         }

@@ -55,6 +55,15 @@ enum Mode {
     Sequential,
 }
 
+/// What the paged K/V pools hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum KvDtype {
+    /// The model's dtype.
+    Model,
+    /// e4m3 with one f32 scale per tensor (`--kv-scale`): half the bytes of bf16 per row.
+    Fp8,
+}
+
 #[derive(Parser, Debug)]
 #[command(
     about = "Continuous batching on a paged KV cache, against static batching and one request at a time"
@@ -105,6 +114,14 @@ struct Args {
     /// Rows per K/V page.
     #[arg(long, default_value_t = 64)]
     page_size: usize,
+    /// Element type of the K/V pools (continuous and static batching; one-at-a-time keeps a
+    /// dense cache in the model's dtype).
+    #[arg(long, value_enum, default_value = "model")]
+    kv_dtype: KvDtype,
+    /// With `--kv-dtype fp8`: pools hold `x / scale`, saturated to ±448 (vLLM's uncalibrated
+    /// default is 1).
+    #[arg(long, default_value_t = 1.0)]
+    kv_scale: f32,
     /// Pages in the pool (default: --kv-mem-frac of the free GPU memory after loading; on the
     /// CPU, enough for every request at once).
     #[arg(long)]
@@ -247,7 +264,7 @@ fn build_requests(args: &Args, tok: Option<&TextTokenizer>, vocab: usize) -> Res
 fn main() -> Result<()> {
     let args = Args::parse();
     args.tp.before_cuda(&args.run);
-    let (device, dtype) = args.run.device_and_dtype()?;
+    let (device, dtype) = args.run.device_and_dtype(args.tp.tp)?;
     let ranks = args.tp.ranks(&args.run, &device)?;
     let source = args.source.source()?;
     let t0 = std::time::Instant::now();
@@ -259,6 +276,13 @@ fn main() -> Result<()> {
         AttnBackend::Flashcore,
     )?;
     let mut model: Model = loaded.model;
+    let kv_dtype = match args.kv_dtype {
+        KvDtype::Model => dtype,
+        KvDtype::Fp8 => {
+            model.set_kv_scale(Some(args.kv_scale))?;
+            DType::F8E4M3
+        }
+    };
     if let Some(n) = args.max_positions {
         model.set_max_positions(n)?;
     }
@@ -304,7 +328,7 @@ fn main() -> Result<()> {
     // K/V memory: the pool for continuous batching, the dense cache for static batching.
     // Per rank (each holds its share of the K/V heads); rank 0's free memory is the budget (it
     // also holds the LM head, so it has the least).
-    let page_bytes = KvPool::page_bytes(&cfg, args.page_size, dtype, model.tp());
+    let page_bytes = KvPool::page_bytes(&cfg, args.page_size, kv_dtype, model.tp());
     let row_bytes = page_bytes / args.page_size.max(1);
     let kv_budget =
         device_mem_info(&device).map(|(free, _)| (free as f64 * args.kv_mem_frac) as usize);
@@ -354,13 +378,13 @@ fn main() -> Result<()> {
                 &opt,
                 &limits,
                 args.page_size,
-                dtype,
+                (dtype, kv_dtype),
                 &device,
             )?;
         }
         let r = match mode {
             Mode::Continuous => {
-                let mut pool = KvPool::new(&model, num_pages, args.page_size, dtype)?;
+                let mut pool = KvPool::new(&model, num_pages, args.page_size, kv_dtype)?;
                 engine::serve_continuous(&model, reqs, &opt, &limits, &mut pool)?
             }
             Mode::Static => engine::serve_static(
@@ -369,14 +393,14 @@ fn main() -> Result<()> {
                 &opt,
                 static_batch,
                 args.max_batch_tokens,
-                dtype,
+                kv_dtype,
             )?,
             Mode::Sequential => engine::serve_sequential(&model, reqs, &opt, dtype)?,
         };
         report::print_requests(&r, tok, args.json, args.quiet)?;
         reports.push(r);
     }
-    let floor = report::Floor::new(&cfg, dtype, &device);
+    let floor = report::Floor::new(&cfg, dtype, kv_dtype, &device);
     report::print_summary(
         &reports,
         &floor,
@@ -398,7 +422,7 @@ fn warm_up(
     opt: &Options,
     limits: &Limits,
     page_size: usize,
-    dtype: DType,
+    (dtype, kv_dtype): (DType, DType),
     device: &Device,
 ) -> Result<()> {
     let pages = 4 * 64usize.div_ceil(page_size);
@@ -416,11 +440,11 @@ fn warm_up(
     };
     match mode {
         Mode::Continuous => {
-            let mut pool = KvPool::new(model, pages, page_size, dtype)?;
+            let mut pool = KvPool::new(model, pages, page_size, kv_dtype)?;
             engine::serve_continuous(model, &reqs, &quiet, limits, &mut pool)?;
         }
         Mode::Static => {
-            engine::serve_static(model, &reqs, &quiet, 2, limits.max_batch_tokens, dtype)?;
+            engine::serve_static(model, &reqs, &quiet, 2, limits.max_batch_tokens, kv_dtype)?;
         }
         Mode::Sequential => {
             engine::serve_sequential(model, &reqs, &quiet, dtype)?;

@@ -82,7 +82,8 @@ pub struct Floor {
 }
 
 impl Floor {
-    pub fn new(cfg: &Config, dtype: DType, device: &Device) -> Floor {
+    /// Weights in `dtype`, K/V rows in `kv_dtype`.
+    pub fn new(cfg: &Config, dtype: DType, kv_dtype: DType, device: &Device) -> Floor {
         let size = dtype.size_in_bytes() as f64;
         let embed = if cfg.tie_word_embeddings {
             0.0
@@ -93,7 +94,7 @@ impl Floor {
             weight_bytes: (cfg.num_params() as f64 - embed) * size,
             kv_row_bytes: (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim)
                 as f64
-                * size,
+                * kv_dtype.size_in_bytes() as f64,
             bandwidth: (!device.is_cpu()).then_some(3.0e12),
         }
     }

@@ -160,8 +160,13 @@ struct FwdSm90 {
     static_assert(DV % 16 == 0 && DV >= 32 && DV <= D, "narrow width: a multiple of 16, 32..D");
     static_assert(BM % 64 == 0 && BM >= 128 && BM <= 256, "BLOCK_M = 128, 192 or 256");
     static_assert(BN % 16 == 0 && BN <= 256, "BLOCK_N multiple of 16");
-    static_assert(MASK == 0 || MASK == 1, "sm90 path: mask none or causal");
-    static constexpr bool CAUSAL = MASK == 1;
+    static_assert(MASK >= 0 && MASK <= 2, "sm90 path: mask none, causal or window");
+    // MASK 2, a window with a right bound (p.window_right >= 0, the host's rule): the causal
+    // machinery below runs on the diagonal shifted right by window_right (`roff`), and a left bound
+    // (p.window_left >= 0) starts each query tile's key walk at its first row's first key tile
+    // (`n_first`) and masks the tiles a row's bound cuts (docs/decisions.md#sm90-windows).
+    static constexpr bool CAUSAL = MASK >= 1;
+    static constexpr bool WINDOW = MASK == 2;
     static constexpr int NC = BM / 64;  // consumer warpgroups
     static constexpr int NTHREADS = (NC + 1) * 128;
     static constexpr int DB = D / 64;  // 64-column (128-byte) blocks of the tiles
@@ -304,10 +309,19 @@ struct FwdSm90 {
         }
         return acc;
     }
-    __device__ static __forceinline__ int n_tiles(const fc::SeqRange& sr, int m_block) {
+    // How far right of the diagonal (key i + sk - sq for row i) the mask's right edge lies.
+    __device__ static __forceinline__ int roff(const FcParams& p) { return WINDOW ? p.window_right : 0; }
+    // The first key tile any row of query tile m_block sees: its first row's left bound's tile.
+    __device__ static __forceinline__ int n_first(const FcParams& p, int m_block, int sq, int sk) {
+        if (!WINDOW || p.window_left < 0) return 0;
+        const int first = m_block * BM + sk - sq - p.window_left;
+        return first <= 0 ? 0 : first / BN;
+    }
+    __device__ static __forceinline__ int n_tiles(const FcParams& p, const fc::SeqRange& sr, int m_block) {
         int n_max = (sr.sk + BN - 1) / BN;
         if (CAUSAL) {
-            const int lim = (m_block + 1) * BM + sr.sk - sr.sq;  // keys < lim are visible to some row
+            // keys < lim are visible to some row
+            const int lim = (m_block + 1) * BM + sr.sk - sr.sq + roff(p);
             n_max = lim <= 0 ? 0 : min(n_max, (lim + BN - 1) / BN);
         }
         return n_max;
@@ -351,20 +365,21 @@ struct FwdSm90 {
         const int cta = (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) / splits;
         const int tid = threadIdx.x;
         const int wg = tid / 128;
-        // Key tiles [lo, hi) of this rank out of the tile's n_max >= 1 (all of them without a
-        // split); `discard`: an empty chunk, which walks tile 0 and drops the result.
-        auto key_range = [&](int n_max, int& lo, int& hi) {
+        // Key tiles [lo, hi) of this rank out of the tile's [n_min, n_max), n_min < n_max (all of
+        // them without a split); `discard`: an empty chunk, which walks tile n_min and drops the
+        // result.
+        auto key_range = [&](int n_min, int n_max, int& lo, int& hi) {
             if (!SPLIT) {
-                lo = 0;
+                lo = n_min;
                 hi = n_max;
                 return false;
             }
-            const int chunk = (n_max + splits - 1) / splits;
-            lo = rank * chunk;
+            const int chunk = (n_max - n_min + splits - 1) / splits;
+            lo = n_min + rank * chunk;
             hi = min(n_max, lo + chunk);
             if (lo < hi) return false;
-            lo = 0;
-            hi = 1;
+            lo = n_min;
+            hi = n_min + 1;
             return true;
         };
 
@@ -416,7 +431,7 @@ struct FwdSm90 {
                     fc::st_shared_b32(a + 4u, h);
                     fc::st_shared_b32(a + 8u, bi);
                     fc::st_shared_b32(a + 12u, p.page_table != nullptr ? sr.sk : sr.k0);  // see load_tile
-                    fc::st_shared_b32(a + 16u, m_block < 0 ? 0 : n_tiles(sr, m_block));
+                    fc::st_shared_b32(a + 16u, m_block < 0 ? 0 : n_tiles(p, sr, m_block));
                     fc::st_shared_b32(a + 20u, sr.sq);
                     fc::st_shared_b32(a + 24u, sr.sk);
                     fc::st_shared_b32(a + 28u, sr.q0);
@@ -453,7 +468,7 @@ struct FwdSm90 {
                 PipeState<STAGES> ks, vs;
                 PipeState<QS> qs;  // the Q buffers
                 for (int k = 0;; ++k) {
-                    int m_block, h, bi, hk, n_max, k0, q0;
+                    int m_block, h, bi, hk, n_max, k0, q0, tsq = 0, tsk = 0;
                     if (DYN) {
                         const int slot = ss.stage;
                         mbar_wait(sched_full(slot), ss.phase);
@@ -463,6 +478,10 @@ struct FwdSm90 {
                         bi = (int)fc::ld_shared_b32(a + 8u);
                         k0 = (int)fc::ld_shared_b32(a + 12u);
                         n_max = (int)fc::ld_shared_b32(a + 16u);
+                        if (WINDOW) {
+                            tsq = (int)fc::ld_shared_b32(a + 20u);
+                            tsk = (int)fc::ld_shared_b32(a + 24u);
+                        }
                         q0 = (int)fc::ld_shared_b32(a + 28u);
                         __syncwarp();  // every lane has read the slot
                         if (lead) mbar_arrive(sched_empty(slot));
@@ -478,7 +497,9 @@ struct FwdSm90 {
                         if (m_block * BM >= sr.sq) continue;  // past a shorter sequence (varlen)
                         publish(m_block, h, bi, sr);
                         hk = h / p.h_ratio;
-                        n_max = n_tiles(sr, m_block);
+                        n_max = n_tiles(p, sr, m_block);
+                        tsq = sr.sq;
+                        tsk = sr.sk;
                         k0 = p.page_table != nullptr ? sr.sk : sr.k0;
                         q0 = sr.q0;
                     }
@@ -487,7 +508,7 @@ struct FwdSm90 {
                     const int bk = p.cu_seqlens_k != nullptr ? 0 : bi;
                     if (n_max <= 0) continue;
                     int lo, hi;
-                    key_range(n_max, lo, hi);
+                    key_range(n_first(p, m_block, tsq, tsk), n_max, lo, hi);
                     // Key tile n of K or V into `dst`. Paged pools (p.page_table; page size
                     // 2^page_shift >= 16; the host maps the pools as (d, page_size, hkv, pages) with
                     // boxes of min(page_size, the largest power of two dividing BN) rows): lane j
@@ -653,7 +674,7 @@ struct FwdSm90 {
             const int qb = qs.stage;
             // this CTA's key tiles [lo, hi), walked from hi - 1 down (the whole tile's without a split)
             int lo, hi;
-            const bool discard = key_range(n_max, lo, hi);
+            const bool discard = key_range(n_first(p, m_block, sq_of(), sk_of()), n_max, lo, hi);
             int NT = hi - lo;
             m_r[0] = m_r[1] = -INFINITY;
             l_r[0] = l_r[1] = 0.f;
@@ -668,10 +689,16 @@ struct FwdSm90 {
             // <= 0 when every tile does). Computed once per tile: re-reading sq and sk from the
             // slot in every key tile put two shared loads and a uniform chain before each softmax
             // (docs/decisions.md#mask-threshold).
-            const int n_mask = CAUSAL_SHORT ? min(sk_of() / BN, (m_block * BM + sk_of() - sq_of() + 1) / BN) : 0;
+            const int n_mask =
+                CAUSAL_SHORT ? min(sk_of() / BN, (m_block * BM + sk_of() - sq_of() + roff(p) + 1) / BN) : 0;
+            // WINDOW with a left bound: tiles starting left of the tile's last row's first key
+            // (key_left) hold keys some row does not see.
+            const bool left = WINDOW && p.window_left >= 0;
+            const int key_left = left ? m_block * BM + BM - 1 + sk_of() - sq_of() - p.window_left : 0;
             auto need_mask = [&](int n) {
+                if (left && n * BN < key_left) return true;
                 if (CAUSAL_SHORT) return n >= n_mask;
-                return (n * BN + BN > sk_of()) || (CAUSAL && n * BN + BN - 1 > m_block * BM + sk_of() - sq_of());
+                return (n * BN + BN > sk_of()) || (CAUSAL && n * BN + BN - 1 > m_block * BM + sk_of() - sq_of() + roff(p));
             };
             auto apply_mask = [&](int n, auto ne) {
                 constexpr int NE = decltype(ne)::value;
@@ -681,15 +708,19 @@ struct FwdSm90 {
                     // per-element column/row arithmetic cost 3-4 instructions: +1.2-1.4 % at d64
                     // causal 512 / 1k, H100; docs/decisions.md#mask-threshold).
                     const int col0 = n * BN + 2 * tq;
-                    int lim[2];
+                    int lim[2], low[2];
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         lim[r] = sk_of() - col0;
-                        if (CAUSAL) lim[r] = min(lim[r], row0 + 8 * r + sk_of() - sq_of() + 1 - col0);
+                        if (CAUSAL) lim[r] = min(lim[r], row0 + 8 * r + sk_of() - sq_of() + roff(p) + 1 - col0);
+                        // WINDOW: keys col >= low[r] only (the row's left bound)
+                        low[r] = left ? row0 + 8 * r + sk_of() - sq_of() - p.window_left - col0 : -0x7fffffff;
                     }
 #pragma unroll
-                    for (int i = 0; i < NE; ++i)
-                        if (8 * (i >> 2) + (i & 1) >= lim[(i >> 1) & 1]) s[i] = -INFINITY;
+                    for (int i = 0; i < NE; ++i) {
+                        const int cc = 8 * (i >> 2) + (i & 1);
+                        if (cc >= lim[(i >> 1) & 1] || (WINDOW && cc < low[(i >> 1) & 1])) s[i] = -INFINITY;
+                    }
                 }
             };
             // Softmax of key tile n held in s[]. `exact`: mask, new row max, alpha (the lazy rescale
@@ -895,7 +926,7 @@ struct FwdSm90 {
 
             // Causal: the keys this warpgroup's rows can see end here (its last row's diagonal + 1),
             // re-read from the tile slot as everywhere in the consumer (SKIP1 and HALF below).
-            auto wg_key_end = [&]() { return m_block * BM + c * 64 + 64 + sk_of() - sq_of(); };
+            auto wg_key_end = [&]() { return m_block * BM + c * 64 + 64 + sk_of() - sq_of() + roff(p); };
             // SKIP1 (causal tiles without SPV: d64 192x128, d256): the warpgroup's first key tile is
             // masked whole for its rows (its diagonal lies in the tile's other warpgroups: every d256
             // 128x64 query tile's first warpgroup, most d64 192x128 tiles' first two). It waits

@@ -172,9 +172,15 @@ pub fn describe(
     v: &Tensor,
 ) -> Result<String> {
     let prob = crate::params::validate(q, k, v, p)?;
+    if prob.chunk.is_some() {
+        // Chunked attention runs as pieces (chunk::dense): each piece's route.
+        return crate::chunk::describe_dense(dev, p, q, k, v, &prob);
+    }
     let info = device_info(dev)?;
+    // d_v != d_qk runs zero-padded to max(d_qk, d_v) (op::apply_padded).
+    let (prob, pad) = padded_note(prob);
     let v = choose(&prob, &info)?;
-    Ok(v.symbol() + &route_note(&prob, v, &info))
+    Ok(pad + &v.symbol() + &route_note(&prob, v, &info))
 }
 
 /// For a split-KV decode: `" (clusters of N)"` when it launches in clusters (`decode_cluster`),
@@ -220,23 +226,59 @@ pub fn describe_paged(
 ) -> Result<String> {
     let prob =
         crate::params::validate_paged(q, k_pages, v_pages, page_table, seqlens_k, packed_q, p)?;
+    if prob.chunk.is_some() {
+        // Chunked attention runs as one paged call over pieces (chunk::paged_plan).
+        let kv = crate::op::PagedKv {
+            k_pages,
+            v_pages,
+            page_table,
+            seqlens_k,
+        };
+        let plan = crate::chunk::paged_plan(q, &kv, packed_q, &prob, p)?;
+        let packed = plan.packed_q.as_ref().map(|(cu, m)| (cu, *m));
+        let route = describe_paged(
+            dev,
+            &plan.params,
+            &plan.q,
+            k_pages,
+            v_pages,
+            &plan.page_table,
+            &plan.seqlens_k,
+            packed,
+        )?;
+        let c = prob.chunk.unwrap_or(0);
+        return Ok(crate::chunk::route_summary(c, plan.pieces, &[route]));
+    }
     let info = device_info(dev)?;
+    let (prob, pad) = padded_note(prob);
     let v = choose(&prob, &info)?;
     if v.kind == KKind::Decode {
-        return Ok(v.symbol() + &route_note(&prob, v, &info));
+        return Ok(pad + &v.symbol() + &route_note(&prob, v, &info));
     }
-    Ok(match page_box(v, &prob) {
-        Some(rows) => format!(
-            "{}{} (in-kernel, {rows}-row boxes)",
-            v.symbol(),
-            route_note(&prob, v, &info)
-        ),
-        None => {
-            let mut used = prob.clone();
-            used.keys = Keys::Used;
-            format!("gathered, then {}", choose(&used, &info)?.symbol())
-        }
-    })
+    Ok(pad
+        + &match page_box(v, &prob) {
+            Some(rows) => format!(
+                "{}{} (in-kernel, {rows}-row boxes)",
+                v.symbol(),
+                route_note(&prob, v, &info)
+            ),
+            None => {
+                let mut used = prob.clone();
+                used.keys = Keys::Used;
+                format!("gathered, then {}", choose(&used, &info)?.symbol())
+            }
+        })
+}
+
+/// The problem a GPU launches for `p`: itself, or with `d_v != d_qk` the zero-padded one
+/// ([`Problem::padded`]) and the prefix `"padded to d=D, then "` for the route descriptions.
+fn padded_note(p: Problem) -> (Problem, String) {
+    if p.dv == p.d {
+        return (p, String::new());
+    }
+    let wide = p.padded();
+    let note = format!("padded to d={}, then ", wide.d);
+    (wide, note)
 }
 
 /// Rows per TMA box when prefill kernel `v` reads paged problem `p`'s pool through the page table
@@ -447,12 +489,12 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
             )))
         }
     };
-    // Chunked attention has no kernel yet (docs/decisions.md#chunked-attention): refused, never
-    // run as if unchunked. The problem's chunk is already canonical, so a chunk that cannot
-    // change any row's keys is `None` here and runs.
+    // No kernel takes a chunk: op runs a problem whose chunk survived normalisation as pieces
+    // of ordinary attention (src/chunk.rs, docs/decisions.md#chunked-attention), never as if
+    // unchunked.
     if let Some(c) = p.chunk {
         return Err(candle_core::Error::Msg(format!(
-            "flashcore: chunk: chunked attention is not implemented on the GPU yet, got Some({c}) [{}]; use the CPU path (tensors on Device::Cpu) or attention_slow",
+            "flashcore: internal: chunk Some({c}) reached a kernel launch [{}]; chunked problems run as pieces",
             shape_str(p)
         )));
     }
@@ -522,6 +564,15 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
         KvType::Same
     };
     let splits = kv_splits(p, info.sm_count);
+    // The sm90 window kernels take windows with a right bound (kernels/sm90/fwd.cuh `WINDOW`), on
+    // the dynamic tile schedule only: a windowed query tile walks a few key tiles, and one CTA
+    // per tile (the static grid past 32 query blocks) ran 0.88x the sm80 kernels there, where the
+    // persistent dynamic grid ran 1.38x (docs/decisions.md#sm90-windows).
+    let sm90_window_ok = |v: &Variant| {
+        kernel_bound(p.window().1, p.sq) >= 0
+            && sm90_dynamic(v, p.mask, p.sq.div_ceil(v.block_m as usize))
+            && !causal_static()
+    };
     let mut missing = Vec::new();
     let mut too_big = Vec::new();
     for (family, kind) in candidates {
@@ -542,11 +593,13 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
                 || (v.narrow > 0 && p.d > v.narrow as usize)
                 || (v.paged && !(twin_pages && p.d == v.head_dim as usize))
                 || (v.kv_split && splits < 2)
+                || (v.family == "sm90" && matches!(v.mask, KMask::Local) && !sm90_window_ok(v))
             {
                 // a later entry serves longer queries, the problem's softcap choice
                 // (`Variant::admits`: softcap twins, kernels with a general body), small
                 // problems (`Variant::serves_grid`), head dims wider than a narrow twin's, problems
-                // other than a paged twin's, or grids that fill the GPU without a key split
+                // other than a paged twin's, grids that fill the GPU without a key split, or
+                // windows the sm90 window kernels do not take
                 continue;
             } else {
                 return Ok(v);
@@ -967,6 +1020,14 @@ pub(crate) fn forward(
     // Validation dropped every window bound no row can reach (left >= sk, right >= sq), so the
     // bounds fit the kernels' int32 band arithmetic and Window{huge, 0} runs the causal kernel.
     debug_assert_eq!(p.mask, crate::params::normalise_mask(p.mask, p.sq, p.sk));
+    if p.dv != p.d {
+        // op::apply pads such problems to one head dim before they reach a kernel.
+        candle_core::bail!(
+            "flashcore: internal: a GPU launch needs d_v == d_qk, got {} and {}",
+            p.dv,
+            p.d
+        )
+    }
     let variant = choose(p, &device_info(&dev)?)?;
     match p.dtype {
         DType::BF16 => run_typed::<bf16>(&dev, p, variant, extra, q, k, v, want_lse),

@@ -89,11 +89,13 @@ pub fn reference_f64(
     let (_, sk, hkv, _) = k.dims4()?;
     let ratio = hq / hkv;
     let q = q.transpose(1, 2)?.contiguous()?;
+    // k is q's head dim (d_qk) wide, v its own (d_v).
     let rep = |t: &Tensor| -> Result<Tensor> {
+        let w = t.dim(3)?;
         let t = t.transpose(1, 2)?;
         t.unsqueeze(2)?
-            .broadcast_as((b, hkv, ratio, sk, d))?
-            .reshape((b, hq, sk, d))?
+            .broadcast_as((b, hkv, ratio, sk, w))?
+            .reshape((b, hq, sk, w))?
             .contiguous()
     };
     let (k, v) = (rep(&k)?, rep(&v)?);
@@ -363,15 +365,36 @@ impl Varlen {
         strided: bool,
         dev: &Device,
     ) -> Result<Varlen> {
+        Varlen::random_dv(lens, hq, hkv, d, d, dtype, strided, dev)
+    }
+
+    /// [`Varlen::random`] with v of its own head dim `dv` (q and k `d` wide). With `strided` and
+    /// `dv != d`, k and v are narrows of two separate packed buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn random_dv(
+        lens: &[(usize, usize)],
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        dv: usize,
+        dtype: DType,
+        strided: bool,
+        dev: &Device,
+    ) -> Result<Varlen> {
         let tq: usize = lens.iter().map(|l| l.0).sum();
         let tk: usize = lens.iter().map(|l| l.1).sum();
         let r = |shape: (usize, usize, usize)| Tensor::randn(0f32, 1., shape, dev)?.to_dtype(dtype);
-        let (q, k, v) = if strided {
+        let (q, k, v) = if strided && dv == d {
             let q = r((tq, hq + 3, d))?.narrow(1, 2, hq)?;
             let kv = r((tk, 2 * hkv + 1, d))?;
             (q, kv.narrow(1, 1, hkv)?, kv.narrow(1, hkv + 1, hkv)?)
+        } else if strided {
+            let q = r((tq, hq + 3, d))?.narrow(1, 2, hq)?;
+            let k = r((tk, hkv + 1, d))?.narrow(1, 1, hkv)?;
+            let v = r((tk, hkv + 2, dv))?.narrow(1, 2, hkv)?;
+            (q, k, v)
         } else {
-            (r((tq, hq, d))?, r((tk, hkv, d))?, r((tk, hkv, d))?)
+            (r((tq, hq, d))?, r((tk, hkv, d))?, r((tk, hkv, dv))?)
         };
         Varlen::from_parts(q, k, v, lens)
     }
@@ -408,6 +431,10 @@ impl Varlen {
     }
     pub fn head_dim(&self) -> usize {
         self.q.dim(2).unwrap()
+    }
+    /// v's head dim (the output's).
+    pub fn v_head_dim(&self) -> usize {
+        self.v.dim(2).unwrap()
     }
 
     /// The same inputs on `dev` in `dtype` (exact when widening); contiguous.
@@ -505,7 +532,7 @@ where
 {
     let cpu = Device::Cpu;
     let (hq, hkv) = vl.heads();
-    let d = vl.head_dim();
+    let d = vl.v_head_dim();
     let ratio = hq / hkv;
     let mut units: Vec<(usize, Option<usize>)> = Vec::new();
     for (i, &(sq, sk)) in vl.lens.iter().enumerate() {
@@ -673,10 +700,11 @@ impl Paged {
         }
         let dev = vl.q.device();
         let (_, hkv) = vl.heads();
-        let d = vl.head_dim();
         let idx = Tensor::new(src.as_slice(), dev)?;
-        let nan = Tensor::full(f32::NAN, (1, hkv, d), dev)?.to_dtype(vl.k.dtype())?;
+        // Each pool at its own head dim (k: d_qk, v: d_v).
         let pool = |t: &Tensor| -> Result<Tensor> {
+            let d = t.dim(2)?;
+            let nan = Tensor::full(f32::NAN, (1, hkv, d), dev)?.to_dtype(t.dtype())?;
             Tensor::cat(&[t, &nan], 0)?
                 .index_select(&idx, 0)?
                 .reshape((num_pages, page_size, hkv, d))
@@ -733,7 +761,7 @@ impl Paged {
             "dense q needs equal seq_q"
         );
         let (hq, _) = vl.heads();
-        let d = vl.head_dim();
+        let (d, dv) = (vl.head_dim(), vl.v_head_dim());
         let q = vl.q.reshape((b, sq, hq, d))?;
         let (o, lse) = flashcore::attention_paged_with_lse(
             &q,
@@ -743,10 +771,10 @@ impl Paged {
             &self.seqlens_k,
             p,
         )?;
-        assert_eq!(o.dims(), &[b, sq, hq, d], "paged output shape");
+        assert_eq!(o.dims(), &[b, sq, hq, dv], "paged output shape");
         assert_eq!(lse.dims(), &[b, hq, sq], "paged lse shape");
         let lse = lse.transpose(0, 1)?.reshape((hq, b * sq))?;
-        Ok((o.reshape((b * sq, hq, d))?, lse))
+        Ok((o.reshape((b * sq, hq, dv))?, lse))
     }
 }
 

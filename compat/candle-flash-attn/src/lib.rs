@@ -28,8 +28,9 @@
 //! - Grouped-query and multi-query attention: `k` and `v` may have fewer heads than `q`, and the
 //!   query head count must be a multiple of the K/V head count. Query head `h` reads K/V head
 //!   `h / (heads_q / heads_kv)`; nothing is repeated in memory.
-//! - Head dims: any multiple of 8 up to 256 on a GPU (512 on the CPU), the same for `q`, `k` and
-//!   `v`.
+//! - Head dims: any multiple of 8 up to 256 on a GPU (512 on the CPU); `q` and `k` share one,
+//!   and `v` (with the output) may have its own (a superset of the original, which needs one head
+//!   dim for all three; flashcore's docs: "Head dims").
 //! - Inputs may be strided views as long as the last dimension is contiguous.
 //! - A query row that sees no key (a causal mask with `seqlen_q > seqlen_k`) returns zeros.
 //! - Bad arguments return an error that names the argument, the rule and the value.
@@ -564,8 +565,12 @@ pub fn flash_attn_varlen_windowed(
 /// `softcap`: `Some(c)` with `c > 0.0` caps each scaled score to `c · tanh(s / c)`; `None` or
 /// `Some(0.0)` turns it off.
 ///
-/// `mm_prefix_ranges` (ranges of keys that bypass the mask) is not supported: `Some` returns an
-/// error naming it, never a result computed without it.
+/// `mm_prefix_ranges`: `None`, or i32 `(batch, max_ranges, 2)` on q's device, half-open ranges
+/// `[start, end)` of key positions per sequence (a multimodal prefix, e.g. an image's tokens): a
+/// query at position `p` (`i + seqlen_k - seqlen_q`) inside a range (`start <= p < end`) also
+/// sees every key of that range (below the sequence's length) that the causal or window mask
+/// hides; ranges with `start >= end` are ignored. Without a mask every key is visible anyway.
+/// See [`prefix_ranges`] for how it is computed.
 ///
 /// Runs `flashcore::attention_paged_varlen`. The result is `(total_q, heads_q, head_dim)` in
 /// `q`'s dtype.
@@ -587,12 +592,6 @@ pub fn flash_attn_varlen_paged_windowed(
 ) -> Result<Tensor> {
     let function = "flash_attn_varlen_paged_windowed";
     check_device(q, function)?;
-    if mm_prefix_ranges.is_some() {
-        candle_core::bail!(
-            "candle-flash-attn (flashcore): {function}: mm_prefix_ranges is not supported \
-             (flashcore has no mask-bypass ranges); pass None"
-        )
-    }
     if k.rank() == 4 && k.dims()[1] != page_block_size {
         candle_core::bail!(
             "candle-flash-attn (flashcore): {function}: page_block_size {page_block_size} must \
@@ -633,7 +632,229 @@ pub fn flash_attn_varlen_paged_windowed(
         alibi_slopes: None,
         ..Default::default()
     };
-    flashcore::attention_paged_varlen(q, k, v, &table, &lens, seqlens_q, max_seqlen_q, &params)
+    let o = flashcore::attention_paged_varlen(
+        q,
+        k,
+        v,
+        &table,
+        &lens,
+        seqlens_q,
+        max_seqlen_q,
+        &params,
+    )?;
+    match mm_prefix_ranges {
+        None => Ok(o),
+        Some(ranges) => {
+            let paged = PagedBatch {
+                q,
+                k_pages: k,
+                v_pages: v,
+                seqlens_q,
+                seqlens_k,
+                block_table: &table,
+            };
+            prefix_ranges(o, &paged, ranges, &params)
+        }
+    }
+}
+
+/// The inputs of a paged call as [`prefix_ranges`] reads them: packed q, the pools, the prefix
+/// sums of both sides, the block table (u32).
+struct PagedBatch<'a> {
+    q: &'a Tensor,
+    k_pages: &'a Tensor,
+    v_pages: &'a Tensor,
+    seqlens_q: &'a Tensor,
+    seqlens_k: &'a Tensor,
+    block_table: &'a Tensor,
+}
+
+fn ranges_err(rule: &str, got: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "candle-flash-attn (flashcore): flash_attn_varlen_paged_windowed: mm_prefix_ranges: \
+         {rule}, got {got}"
+    ))
+}
+
+/// Whether key `j` is visible to the query at position `p` under `mask` (bottom-right: the
+/// band `p - left ..= p + right`, an absent side unbounded).
+fn in_band(mask: Mask, p: i64, j: i64) -> bool {
+    let (left, right) = mask.bounds();
+    let wide = |x: usize| i64::try_from(x).unwrap_or(i64::MAX);
+    left.is_none_or(|l| j >= p.saturating_sub(wide(l)))
+        && right.is_none_or(|r| j <= p.saturating_add(wide(r)))
+}
+
+/// `mm_prefix_ranges` of `flash_attn_varlen_paged_windowed`, as candle-flash-attn 0.11.1's
+/// kernels apply them: a key `j < seqlen_k` hidden by the causal/window mask from the query at
+/// position `p` becomes visible when some range `[start, end)` of the sequence (with `start <
+/// end`) holds both `p` and `j`. Scale, softcap and the softmax are unchanged.
+///
+/// flashcore has no per-key mask, so `o` (flashcore's answer with the mask alone, which also
+/// validated every other argument) is kept for every query row the ranges do not change, and the
+/// rows they change are recomputed here from candle ops with an explicit visibility matrix, in
+/// f32 (f64 for f64 inputs): their keys gathered from the pages, `softmax(scale · q kᵀ (softcap),
+/// masked) v`, a row without a visible key giving zeros. This reads the prefix sums, the block
+/// table and the ranges on the host (a device sync on a GPU, where the block table's page ids and
+/// the key counts are then checked here, naming the argument) and materialises `heads_q x rows x
+/// seqlen_k` scores per sequence for the changed rows only: meant for image-sized prefixes.
+fn prefix_ranges(
+    o: Tensor,
+    b: &PagedBatch,
+    ranges: &Tensor,
+    params: &AttnParams,
+) -> Result<Tensor> {
+    let n = b.seqlens_q.dims1()? - 1;
+    if ranges.dtype() != DType::I32 {
+        return Err(ranges_err(
+            "dtype must be i32",
+            format!("{:?}", ranges.dtype()),
+        ));
+    }
+    if ranges.rank() != 3 || ranges.dims()[0] != n || ranges.dims()[2] != 2 {
+        return Err(ranges_err(
+            &format!("shape must be (batch, max_ranges, 2) with batch = {n}"),
+            format!("{:?}", ranges.dims()),
+        ));
+    }
+    if !ranges.device().same_device(b.q.device()) {
+        return Err(ranges_err(
+            "must be on q's device",
+            format!("{:?}", ranges.device().location()),
+        ));
+    }
+    if params.mask == Mask::None {
+        return Ok(o); // every key is visible already
+    }
+    let per_seq = ranges.dims()[1];
+    let rs: Vec<i32> = ranges.flatten_all()?.to_vec1::<i32>()?;
+    let cu_q = b.seqlens_q.to_vec1::<u32>()?;
+    let cu_k = b.seqlens_k.to_vec1::<u32>()?;
+    let (num_pages, ps, hkv, d) = b.k_pages.dims4()?;
+    let dv = b.v_pages.dims()[3];
+    let max_pages = b.block_table.dims()[1];
+    let table = b.block_table.flatten_all()?.to_vec1::<u32>()?;
+    let (total_q, hq, _) = b.q.dims3()?;
+    let ratio = hq / hkv;
+    let wide = if b.q.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let dev = b.q.device();
+    let flat_k = b.k_pages.reshape((num_pages * ps, hkv, d))?;
+    let flat_v = b.v_pages.reshape((num_pages * ps, hkv, dv))?;
+    // GQA: (sk, hkv, w) -> (hq, sk, w), query head h reading K/V head h / ratio.
+    let per_head = |t: &Tensor| -> Result<Tensor> {
+        let (sk, _, w) = t.dims3()?;
+        t.to_dtype(wide)?
+            .transpose(0, 1)?
+            .unsqueeze(1)?
+            .broadcast_as((hkv, ratio, sk, w))?
+            .reshape((hq, sk, w))
+    };
+    let (mut rows_changed, mut outs) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let (q0, sq) = (cu_q[i] as usize, (cu_q[i + 1] - cu_q[i]) as usize);
+        let sk = (cu_k[i + 1] - cu_k[i]) as usize;
+        let seq_ranges: Vec<(i64, i64)> = (0..per_seq)
+            .map(|r| {
+                let at = (i * per_seq + r) * 2;
+                (rs[at] as i64, rs[at + 1] as i64)
+            })
+            .filter(|(s, e)| s < e)
+            .collect();
+        if sq == 0 || sk == 0 || seq_ranges.is_empty() {
+            continue;
+        }
+        // Visibility of the rows the ranges change: (rows, sk), 1 = visible.
+        let (mut rows, mut vis) = (Vec::new(), Vec::new());
+        for t in 0..sq {
+            let p = t as i64 + sk as i64 - sq as i64;
+            let row: Vec<u8> = (0..sk as i64)
+                .map(|j| {
+                    let bypass = seq_ranges
+                        .iter()
+                        .any(|&(s, e)| s <= p && p < e && s <= j && j < e);
+                    (in_band(params.mask, p, j) || bypass) as u8
+                })
+                .collect();
+            let changed = row
+                .iter()
+                .enumerate()
+                .any(|(j, &x)| x == 1 && !in_band(params.mask, p, j as i64));
+            if changed {
+                rows.push(t);
+                vis.extend(row);
+            }
+        }
+        if rows.is_empty() {
+            continue;
+        }
+        if sk > max_pages * ps {
+            return Err(candle_core::Error::Msg(format!(
+                "candle-flash-attn (flashcore): flash_attn_varlen_paged_windowed: seqlens_k: \
+                 sequence {i} has {sk} keys, more than block_table's {max_pages} pages of {ps}"
+            )));
+        }
+        let mut key_rows = Vec::with_capacity(sk);
+        for j in 0..sk {
+            let page = table[i * max_pages + j / ps] as usize;
+            if page >= num_pages {
+                return Err(candle_core::Error::Msg(format!(
+                    "candle-flash-attn (flashcore): flash_attn_varlen_paged_windowed: \
+                     block_table: entry [{i}][{}] = {page} is not a page of the pool \
+                     (0..{num_pages})",
+                    j / ps
+                )));
+            }
+            key_rows.push((page * ps + j % ps) as u32);
+        }
+        let key_rows = Tensor::new(key_rows.as_slice(), dev)?;
+        let k = per_head(&flat_k.index_select(&key_rows, 0)?)?; // (hq, sk, d)
+        let v = per_head(&flat_v.index_select(&key_rows, 0)?)?; // (hq, sk, dv)
+        let q_rows: Vec<u32> = rows.iter().map(|&t| (q0 + t) as u32).collect();
+        let q_sel =
+            b.q.index_select(&Tensor::new(q_rows.as_slice(), dev)?, 0)?
+                .to_dtype(wide)?
+                .transpose(0, 1)?
+                .contiguous()?; // (hq, rows, d)
+        let scale = params.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt()) as f64;
+        let mut s = (q_sel.matmul(&k.t()?.contiguous()?)? * scale)?; // (hq, rows, sk)
+        if let Some(c) = params.softcap {
+            let c = c as f64;
+            s = ((s / c)?.tanh()? * c)?;
+        }
+        let vis = Tensor::from_vec(vis, (1, rows.len(), sk), dev)?.broadcast_as(s.shape())?;
+        let neg_inf = Tensor::full(f64::NEG_INFINITY, (), dev)?
+            .to_dtype(wide)?
+            .broadcast_as(s.shape())?;
+        let s = vis.where_cond(&s, &neg_inf)?;
+        // softmax over the visible keys; a row whose scores are all -inf gives zeros
+        let m = s.max_keepdim(2)?;
+        let m = m.eq(f64::NEG_INFINITY)?.where_cond(&m.zeros_like()?, &m)?;
+        let e = s.broadcast_sub(&m)?.exp()?;
+        let z = e.sum_keepdim(2)?;
+        let z = z.eq(0f64)?.where_cond(&z.ones_like()?, &z)?;
+        let rows_o = e
+            .broadcast_div(&z)?
+            .matmul(&v.contiguous()?)?
+            .transpose(0, 1)?
+            .to_dtype(o.dtype())?; // (rows, hq, dv)
+        rows_changed.extend(rows.iter().map(|&t| q0 + t));
+        outs.push(rows_o);
+    }
+    if outs.is_empty() {
+        return Ok(o);
+    }
+    // Every output row from `o`, but the changed ones from the explicit path.
+    let mut pick: Vec<u32> = (0..total_q as u32).collect();
+    for (n, &r) in rows_changed.iter().enumerate() {
+        pick[r] = (total_q + n) as u32;
+    }
+    let mut parts = vec![o];
+    parts.extend(outs);
+    Tensor::cat(&parts, 0)?.index_select(&Tensor::new(pick.as_slice(), dev)?, 0)
 }
 
 #[allow(clippy::too_many_arguments)]

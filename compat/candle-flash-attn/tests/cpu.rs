@@ -30,6 +30,9 @@ struct Fa2<'a> {
     softcap: f32,
     /// Slopes for each query head of this sequence.
     slopes: Option<&'a [f32]>,
+    /// `mm_prefix_ranges` of this sequence: `[start, end)` key ranges that bypass the mask for
+    /// the queries inside them.
+    mm: &'a [(i64, i64)],
 }
 
 /// One sequence: q `(sq, hq, d)`, k/v `(sk, hkv, d)` as f64 vectors, `bound` the length the
@@ -47,6 +50,10 @@ fn fa2_sequence(
     // Host side (candle-flash-attn's cuda_fwd_t, then flash_api.cu).
     let side = |w: Option<usize>| w.filter(|&w| w <= bound).map(|w| w as i64).unwrap_or(-1);
     let (mut wl, mut wr) = (side(o.left), side(o.right));
+    // With ranges, the original runs the causal mask as a window of left = bound (the same keys).
+    if !o.mm.is_empty() && wl < 0 && wr == 0 {
+        wl = bound as i64;
+    }
     let is_causal = wl < 0 && wr == 0;
     if wl < 0 && wr >= 0 {
         wl = bound as i64;
@@ -71,7 +78,12 @@ fn fa2_sequence(
                 } else {
                     true
                 };
-                if !visible {
+                // FA2's `mm_prefix_allowed`: both the query's position and the key in one
+                // non-empty range (keys below the sequence's length only).
+                let allowed =
+                    o.mm.iter()
+                        .any(|&(s, e)| s < e && s <= diag && diag < e && s <= jj && jj < e);
+                if !(visible || allowed) {
                     continue;
                 }
                 let mut x = 0f64;
@@ -146,6 +158,7 @@ fn fa2_dense(
             right,
             softcap,
             slopes: sl.as_deref(),
+            mm: &[],
         };
         out.extend(fa2_sequence(
             &f64s(&q.i(bi)?)?,
@@ -187,6 +200,7 @@ fn fa2_varlen(
             right,
             softcap,
             slopes: sl.as_deref(),
+            mm: &[],
         };
         out.extend(fa2_sequence(
             &f64s(&q.narrow(0, q0, sq)?)?,
@@ -615,16 +629,10 @@ fn flash_attn_varlen_alibi_windowed_softcap_matches() -> Result<()> {
     Ok(())
 }
 
-/// The paged function against the same batch packed (`flash_attn_varlen_windowed`, itself
-/// checked against the f64 transliteration above) and against that transliteration directly:
-/// the keys scattered into 16-row pages in reverse order, the block table i32 as the original's
-/// callers build it, a causal window and a local one, softcap on. The errors for
-/// `mm_prefix_ranges` and a wrong `page_block_size`.
-#[test]
-fn flash_attn_varlen_paged_windowed_matches_packed() -> Result<()> {
-    let ps = 16;
-    let p = Packed::new(&[5, 1, 3], &[40, 16, 3], 4, 2, 32)?;
-    let (cq, ck) = p.cu()?;
+/// `p`'s keys scattered into pages of `ps` rows in reverse order (sequence `i`'s page `j` is pool
+/// page `num_pages - 1 - (i * max_pages + j)`), with the i32 block table the original's callers
+/// build: `(k_pages, v_pages, block_table)`.
+fn paged_pools(p: &Packed, ps: usize) -> Result<(Tensor, Tensor, Tensor)> {
     let b = p.cu_k.len() - 1;
     let max_pages = p.max_k.div_ceil(ps);
     let num_pages = b * max_pages;
@@ -646,8 +654,21 @@ fn flash_attn_varlen_paged_windowed_matches_packed() -> Result<()> {
         let (_, h, d) = t.dims3()?;
         t.index_select(&idx, 0)?.reshape((num_pages, ps, h, d))
     };
-    let (kp, vp) = (pool(&p.k)?, pool(&p.v)?);
     let bt = Tensor::from_vec(table, (b, max_pages), &Device::Cpu)?;
+    Ok((pool(&p.k)?, pool(&p.v)?, bt))
+}
+
+/// The paged function against the same batch packed (`flash_attn_varlen_windowed`, itself
+/// checked against the f64 transliteration above) and against that transliteration directly:
+/// the keys scattered into 16-row pages in reverse order, the block table i32 as the original's
+/// callers build it, a causal window and a local one, softcap on. The error for a wrong
+/// `page_block_size`.
+#[test]
+fn flash_attn_varlen_paged_windowed_matches_packed() -> Result<()> {
+    let ps = 16;
+    let p = Packed::new(&[5, 1, 3], &[40, 16, 3], 4, 2, 32)?;
+    let (cq, ck) = p.cu()?;
+    let (kp, vp, bt) = paged_pools(&p, ps)?;
     for (l, r, cap) in [(None, Some(0), None), (Some(7), Some(2), Some(3.0))] {
         let paged = cfa::flash_attn_varlen_paged_windowed(
             &p.q, &kp, &vp, &cq, &ck, &bt, None, p.max_q, p.max_k, 0.3, l, r, ps, cap,
@@ -678,13 +699,110 @@ fn flash_attn_varlen_paged_windowed_matches_packed() -> Result<()> {
             &p.q, &kp, &vp, &cq, &ck, &bt, mm, p.max_q, p.max_k, 0.3, None, None, page, None,
         )
     };
-    let mm = Tensor::zeros((b, 1, 2), DType::U32, &Device::Cpu)?;
-    let msg = run(Some(&mm), ps)
-        .expect_err("mm_prefix_ranges")
-        .to_string();
-    assert!(msg.contains("mm_prefix_ranges"), "{msg}");
     let msg = run(None, 32).expect_err("page_block_size").to_string();
     assert!(msg.contains("page_block_size"), "{msg}");
+    Ok(())
+}
+
+/// `mm_prefix_ranges` (ranges of keys that bypass the causal/window mask for the queries inside
+/// them, as multimodal prefixes use them) against the f64 transliteration of FA2's
+/// `mm_prefix_allowed`: bidirectional blocks inside a prefill, a block covering a chunk's queries
+/// and earlier keys, overlapping ranges, empty and partly negative ranges, a sequence without
+/// ranges; causal, windows and softcap; pages shuffled. Ranges change the causal result; without
+/// a mask they change nothing; bad ranges are errors naming them.
+#[test]
+fn flash_attn_varlen_paged_windowed_mm_prefix_ranges() -> Result<()> {
+    let ps = 16;
+    let p = Packed::new(&[5, 1, 12, 20], &[40, 16, 12, 20], 4, 2, 32)?;
+    let (cq, ck) = p.cu()?;
+    let (kp, vp, bt) = paged_pools(&p, ps)?;
+    let b = p.cu_q.len() - 1;
+    // Per sequence, padded with empty (0, 0) ranges to 3.
+    let mm: Vec<Vec<(i64, i64)>> = vec![
+        vec![(30, 40), (36, 38)],
+        vec![],
+        vec![(2, 7), (9, 12), (5, 5)],
+        vec![(-3, 2), (4, 11), (8, 15)],
+    ];
+    let mut flat = Vec::new();
+    for r in &mm {
+        for n in 0..3 {
+            let (s, e) = r.get(n).copied().unwrap_or((0, 0));
+            flat.extend([s as i32, e as i32]);
+        }
+    }
+    let ranges = Tensor::from_vec(flat, (b, 3, 2), &Device::Cpu)?;
+    let (hq, hkv, d) = (4, 2, 32);
+    for (l, r, cap) in [
+        (None, Some(0), 0.0),
+        (Some(3), Some(0), 0.0),
+        (Some(2), Some(1), 3.0),
+        (None, None, 0.0),
+    ] {
+        let name = format!("mm_prefix_ranges ({l:?}, {r:?}) softcap {cap}");
+        let softcap = (cap > 0.0).then_some(cap);
+        let run = |mm: Option<&Tensor>| {
+            cfa::flash_attn_varlen_paged_windowed(
+                &p.q, &kp, &vp, &cq, &ck, &bt, mm, p.max_q, p.max_k, 0.3, l, r, ps, softcap,
+            )
+        };
+        let got = run(Some(&ranges))?;
+        let mut want = Vec::new();
+        for (i, seq_mm) in mm.iter().enumerate() {
+            let (q0, sq) = (p.cu_q[i] as usize, (p.cu_q[i + 1] - p.cu_q[i]) as usize);
+            let (k0, sk) = (p.cu_k[i] as usize, (p.cu_k[i + 1] - p.cu_k[i]) as usize);
+            let o = Fa2 {
+                scale: 0.3,
+                left: l,
+                right: r,
+                softcap: cap,
+                slopes: None,
+                mm: seq_mm,
+            };
+            want.extend(fa2_sequence(
+                &f64s(&p.q.narrow(0, q0, sq)?)?,
+                &f64s(&p.k.narrow(0, k0, sk)?)?,
+                &f64s(&p.v.narrow(0, k0, sk)?)?,
+                (sq, sk, hq, hkv, d),
+                p.max_k,
+                &o,
+            ));
+        }
+        let want = Tensor::from_vec(want, got.shape(), &Device::Cpu)?;
+        check(&name, &got, &want)?;
+        let plain = run(None)?;
+        if (l, r) == (None, None) {
+            check(&format!("{name}: no mask, nothing to bypass"), &got, &plain)?;
+        } else {
+            differs(&name, &got, &plain)?;
+        }
+    }
+    let run = |mm: &Tensor| {
+        cfa::flash_attn_varlen_paged_windowed(
+            &p.q,
+            &kp,
+            &vp,
+            &cq,
+            &ck,
+            &bt,
+            Some(mm),
+            p.max_q,
+            p.max_k,
+            0.3,
+            None,
+            Some(0),
+            ps,
+            None,
+        )
+    };
+    for bad in [
+        Tensor::zeros((b, 1, 2), DType::U32, &Device::Cpu)?,
+        Tensor::zeros((b + 1, 1, 2), DType::I32, &Device::Cpu)?,
+        Tensor::zeros((b, 1, 3), DType::I32, &Device::Cpu)?,
+    ] {
+        let msg = run(&bad).expect_err("bad mm_prefix_ranges").to_string();
+        assert!(msg.contains("mm_prefix_ranges:"), "{msg}");
+    }
     Ok(())
 }
 
