@@ -11,6 +11,11 @@ root=$(cd ../.. && pwd)
 # the value the other CUDA builds of this repository use).
 eval "$(bash "$root/scripts/install-cuda-toolkit.sh" --env)"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
+# A kernel-development filter would leave the GPU binary without most of flashcore's kernels.
+if [ -n "${FLASHCORE_VARIANTS:-}" ]; then
+    echo "build.sh: ignoring FLASHCORE_VARIANTS=$FLASHCORE_VARIANTS (the device binary needs every kernel)" >&2
+    unset FLASHCORE_VARIANTS
+fi
 t0=$(date +%s)
 cargo build --release --bin demo
 t=$(( $(date +%s) - t0 ))

@@ -3,9 +3,10 @@
 //! A drop-in replacement for [candle-flash-attn 0.11.1](https://crates.io/crates/candle-flash-attn)
 //! backed by flashcore (this repository): every public function of that crate, with the same
 //! signature and the same meaning, computed by flashcore's kernels (CUDA, with the `cuda`
-//! feature) or by its CPU path (CPU tensors). Substitute it for the crates.io crate with
-//! `[patch.crates-io]`; see this crate's README for the one extra line that turns on CUDA and
-//! for every place where the behaviour differs (all of them supersets or explicit errors).
+//! feature, on by default as the original always builds its kernels) or by its CPU path (CPU
+//! tensors). Substitute it for the crates.io crate with `[patch.crates-io]`; see this crate's
+//! README for every place where the behaviour differs (all of them supersets or explicit
+//! errors).
 //!
 //! ## How the arguments are translated
 //! - `causal: bool` is `window_size_left = None, window_size_right = Some(0)`, as in the
@@ -28,9 +29,11 @@
 //! - Grouped-query and multi-query attention: `k` and `v` may have fewer heads than `q`, and the
 //!   query head count must be a multiple of the K/V head count. Query head `h` reads K/V head
 //!   `h / (heads_q / heads_kv)`; nothing is repeated in memory.
-//! - Head dims: any multiple of 8 up to 256 on a GPU (512 on the CPU); `q` and `k` share one,
-//!   and `v` (with the output) may have its own (a superset of the original, which needs one head
-//!   dim for all three; flashcore's docs: "Head dims").
+//! - Head dims: any multiple of 8 up to 512, as the original; `q` and `k` share one, and `v`
+//!   (with the output) may have its own (a superset of the original, which needs one head dim
+//!   for all three; flashcore's docs: "Head dims"). flashcore's GPU kernels stop at
+//!   [`flashcore::GPU_MAX_HEAD_DIM`]: a CUDA call past it runs a slower path composed of candle
+//!   ops on the GPU instead (the README's "Head dims above 256 on a GPU").
 //! - Inputs may be strided views as long as the last dimension is contiguous.
 //! - A query row that sees no key (a causal mask with `seqlen_q > seqlen_k`) returns zeros.
 //! - Bad arguments return an error that names the argument, the rule and the value.
@@ -40,6 +43,113 @@ use candle_core::op::BackpropOp;
 use candle_core::DType;
 use candle_core::{CpuStorage, Layout, Result, Shape, Storage, Tensor};
 use flashcore::{AttnParams, Mask};
+
+mod slow;
+
+/// The slow path of CUDA calls past flashcore's GPU head dims, callable on any device. Public
+/// only so that this crate's tests can run it on CPU tensors (where the functions above use
+/// flashcore's CPU path); not part of candle-flash-attn's API.
+#[doc(hidden)]
+pub mod slow_path {
+    use super::*;
+
+    /// Score elements per block of query rows (default 2^26); the result must not depend on it.
+    pub fn set_block_elems(n: usize) {
+        slow::set_block_elems(n)
+    }
+
+    /// [`flash_attn_alibi_windowed_softcap`]'s arguments, through the slow path.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dense(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        alibi_slopes: Option<&Tensor>,
+        softmax_scale: f32,
+        window_size_left: Option<usize>,
+        window_size_right: Option<usize>,
+        softcap: f32,
+    ) -> Result<Tensor> {
+        let mask = window_mask(window_size_left, window_size_right, dense_seqlen_k(k));
+        let o = slow::Opts {
+            mask,
+            scale: softmax_scale,
+            softcap: softcap_of(Some(softcap)),
+        };
+        slow::dense("slow_path::dense", q, k, v, alibi_slopes, &o)
+    }
+
+    /// [`flash_attn_varlen_alibi_windowed_softcap`]'s arguments, through the slow path.
+    #[allow(clippy::too_many_arguments)]
+    pub fn varlen(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        alibi_slopes: Option<&Tensor>,
+        seqlens_q: &Tensor,
+        seqlens_k: &Tensor,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+        softmax_scale: f32,
+        window_size_left: Option<usize>,
+        window_size_right: Option<usize>,
+        softcap: f32,
+    ) -> Result<Tensor> {
+        let o = slow::Opts {
+            mask: window_mask(window_size_left, window_size_right, max_seqlen_k),
+            scale: softmax_scale,
+            softcap: softcap_of(Some(softcap)),
+        };
+        slow::varlen(
+            "slow_path::varlen",
+            q,
+            k,
+            v,
+            alibi_slopes,
+            seqlens_q,
+            seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            &o,
+        )
+    }
+
+    /// [`flash_attn_varlen_paged_windowed`]'s arguments, through the slow path.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seqlens_q: &Tensor,
+        seqlens_k: &Tensor,
+        block_table: &Tensor,
+        mm_prefix_ranges: Option<&Tensor>,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+        softmax_scale: f32,
+        window_size_left: Option<usize>,
+        window_size_right: Option<usize>,
+        softcap: Option<f32>,
+    ) -> Result<Tensor> {
+        let o = slow::Opts {
+            mask: window_mask(window_size_left, window_size_right, max_seqlen_k),
+            scale: softmax_scale,
+            softcap: softcap_of(softcap),
+        };
+        paged_slow(
+            "slow_path::paged",
+            q,
+            k,
+            v,
+            seqlens_q,
+            seqlens_k,
+            block_table,
+            mm_prefix_ranges,
+            max_seqlen_q,
+            &o,
+        )
+    }
+}
 
 /// The mask that candle-flash-attn 0.11.1 applies for `window_size_left` /
 /// `window_size_right` when the keys are `seqlen_k` long (the dense functions pass `k`'s
@@ -87,11 +197,20 @@ fn check_device(q: &Tensor, function: &str) -> Result<()> {
     if q.device().is_cuda() && !cfg!(feature = "cuda") {
         candle_core::bail!(
             "candle-flash-attn (flashcore): {function}: q is on a CUDA device but this crate was \
-             built without its `cuda` feature; add `candle-flash-attn = {{ version = \"0.11.1\", \
-             features = [\"cuda\"] }}` to your [dependencies]"
+             built without its `cuda` feature (on by default; turned off here by \
+             `--no-default-features` or `default-features = false`)"
         )
     }
     Ok(())
+}
+
+/// The slow path's options from flashcore's (scale given, softcap already `> 0` or none).
+fn slow_opts(p: &AttnParams) -> slow::Opts {
+    slow::Opts {
+        mask: p.mask,
+        scale: p.softmax_scale.unwrap_or(1.0),
+        softcap: p.softcap,
+    }
 }
 
 /// `k`'s sequence length for a dense call, 0 when `k` is not rank 4 (flashcore then rejects
@@ -124,6 +243,9 @@ fn dense(
         alibi_slopes: alibi_slopes.cloned(),
         ..Default::default()
     };
+    if slow::wanted(q, v) {
+        return slow::dense(function, q, k, v, alibi_slopes, &slow_opts(&params));
+    }
     flashcore::attention(q, k, v, &params)
 }
 
@@ -151,6 +273,20 @@ fn varlen(
         alibi_slopes: alibi_slopes.cloned(),
         ..Default::default()
     };
+    if slow::wanted(q, v) {
+        return slow::varlen(
+            function,
+            q,
+            k,
+            v,
+            alibi_slopes,
+            seqlens_q,
+            seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            &slow_opts(&params),
+        );
+    }
     flashcore::attention_varlen(
         q,
         k,
@@ -599,6 +735,25 @@ pub fn flash_attn_varlen_paged_windowed(
             k.dims()
         )
     }
+    if slow::wanted(q, v) {
+        let o = slow::Opts {
+            mask: window_mask(window_size_left, window_size_right, max_seqlen_k),
+            scale: softmax_scale,
+            softcap: softcap_of(softcap),
+        };
+        return paged_slow(
+            function,
+            q,
+            k,
+            v,
+            seqlens_q,
+            seqlens_k,
+            block_table,
+            mm_prefix_ranges,
+            max_seqlen_q,
+            &o,
+        );
+    }
     let n = seqlens_k.dims1()?;
     if n < 2 {
         candle_core::bail!(
@@ -676,6 +831,87 @@ fn ranges_err(rule: &str, got: impl std::fmt::Display) -> candle_core::Error {
     ))
 }
 
+/// `mm_prefix_ranges`: i32 `(batch, max_ranges, 2)` on q's device.
+fn check_ranges(ranges: &Tensor, batch: usize, q: &Tensor) -> Result<()> {
+    if ranges.dtype() != DType::I32 {
+        return Err(ranges_err(
+            "dtype must be i32",
+            format!("{:?}", ranges.dtype()),
+        ));
+    }
+    if ranges.rank() != 3 || ranges.dims()[0] != batch || ranges.dims()[2] != 2 {
+        return Err(ranges_err(
+            &format!("shape must be (batch, max_ranges, 2) with batch = {batch}"),
+            format!("{:?}", ranges.dims()),
+        ));
+    }
+    if !ranges.device().same_device(q.device()) {
+        return Err(ranges_err(
+            "must be on q's device",
+            format!("{:?}", ranges.device().location()),
+        ));
+    }
+    Ok(())
+}
+
+/// The non-empty `[start, end)` ranges of each sequence, read on the host (checked ranges).
+fn read_ranges(ranges: &Tensor) -> Result<Vec<Vec<(i64, i64)>>> {
+    let (n, per_seq, _) = ranges.dims3()?;
+    let rs: Vec<i32> = ranges.flatten_all()?.to_vec1::<i32>()?;
+    Ok((0..n)
+        .map(|i| {
+            (0..per_seq)
+                .map(|r| {
+                    let at = (i * per_seq + r) * 2;
+                    (rs[at] as i64, rs[at + 1] as i64)
+                })
+                .filter(|(s, e)| s < e)
+                .collect()
+        })
+        .collect())
+}
+
+/// The paged function through the slow path: the block table as u32 (an i32 one cast), the
+/// ranges checked and read on the host.
+#[allow(clippy::too_many_arguments)]
+fn paged_slow(
+    function: &str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    block_table: &Tensor,
+    mm_prefix_ranges: Option<&Tensor>,
+    max_seqlen_q: usize,
+    o: &slow::Opts,
+) -> Result<Tensor> {
+    let table = match block_table.dtype() {
+        DType::U32 => block_table.clone(),
+        _ => block_table.to_dtype(DType::U32)?,
+    };
+    let ranges = match mm_prefix_ranges {
+        None => None,
+        Some(r) => {
+            let batch = seqlens_q.dims().first().map_or(0, |n| n.saturating_sub(1));
+            check_ranges(r, batch, q)?;
+            Some(read_ranges(r)?)
+        }
+    };
+    slow::paged(
+        function,
+        q,
+        k,
+        v,
+        seqlens_q,
+        seqlens_k,
+        &table,
+        ranges.as_deref(),
+        max_seqlen_q,
+        o,
+    )
+}
+
 /// Whether key `j` is visible to the query at position `p` under `mask` (bottom-right: the
 /// band `p - left ..= p + right`, an absent side unbounded).
 fn in_band(mask: Mask, p: i64, j: i64) -> bool {
@@ -705,29 +941,11 @@ fn prefix_ranges(
     params: &AttnParams,
 ) -> Result<Tensor> {
     let n = b.seqlens_q.dims1()? - 1;
-    if ranges.dtype() != DType::I32 {
-        return Err(ranges_err(
-            "dtype must be i32",
-            format!("{:?}", ranges.dtype()),
-        ));
-    }
-    if ranges.rank() != 3 || ranges.dims()[0] != n || ranges.dims()[2] != 2 {
-        return Err(ranges_err(
-            &format!("shape must be (batch, max_ranges, 2) with batch = {n}"),
-            format!("{:?}", ranges.dims()),
-        ));
-    }
-    if !ranges.device().same_device(b.q.device()) {
-        return Err(ranges_err(
-            "must be on q's device",
-            format!("{:?}", ranges.device().location()),
-        ));
-    }
+    check_ranges(ranges, n, b.q)?;
     if params.mask == Mask::None {
         return Ok(o); // every key is visible already
     }
-    let per_seq = ranges.dims()[1];
-    let rs: Vec<i32> = ranges.flatten_all()?.to_vec1::<i32>()?;
+    let all_ranges = read_ranges(ranges)?;
     let cu_q = b.seqlens_q.to_vec1::<u32>()?;
     let cu_k = b.seqlens_k.to_vec1::<u32>()?;
     let (num_pages, ps, hkv, d) = b.k_pages.dims4()?;
@@ -757,13 +975,7 @@ fn prefix_ranges(
     for i in 0..n {
         let (q0, sq) = (cu_q[i] as usize, (cu_q[i + 1] - cu_q[i]) as usize);
         let sk = (cu_k[i + 1] - cu_k[i]) as usize;
-        let seq_ranges: Vec<(i64, i64)> = (0..per_seq)
-            .map(|r| {
-                let at = (i * per_seq + r) * 2;
-                (rs[at] as i64, rs[at + 1] as i64)
-            })
-            .filter(|(s, e)| s < e)
-            .collect();
+        let seq_ranges = &all_ranges[i];
         if sq == 0 || sk == 0 || seq_ranges.is_empty() {
             continue;
         }
@@ -791,25 +1003,13 @@ fn prefix_ranges(
         if rows.is_empty() {
             continue;
         }
-        if sk > max_pages * ps {
-            return Err(candle_core::Error::Msg(format!(
-                "candle-flash-attn (flashcore): flash_attn_varlen_paged_windowed: seqlens_k: \
-                 sequence {i} has {sk} keys, more than block_table's {max_pages} pages of {ps}"
-            )));
-        }
-        let mut key_rows = Vec::with_capacity(sk);
-        for j in 0..sk {
-            let page = table[i * max_pages + j / ps] as usize;
-            if page >= num_pages {
-                return Err(candle_core::Error::Msg(format!(
-                    "candle-flash-attn (flashcore): flash_attn_varlen_paged_windowed: \
-                     block_table: entry [{i}][{}] = {page} is not a page of the pool \
-                     (0..{num_pages})",
-                    j / ps
-                )));
-            }
-            key_rows.push((page * ps + j % ps) as u32);
-        }
+        let key_rows = slow::key_rows(
+            "flash_attn_varlen_paged_windowed",
+            &table,
+            i,
+            sk,
+            (num_pages, ps, max_pages),
+        )?;
         let key_rows = Tensor::new(key_rows.as_slice(), dev)?;
         let k = per_head(&flat_k.index_select(&key_rows, 0)?)?; // (hq, sk, d)
         let v = per_head(&flat_v.index_select(&key_rows, 0)?)?; // (hq, sk, dv)

@@ -848,8 +848,8 @@ fn flash_attn_varlen_paged_windowed_decreasing_seqlens_k() -> Result<()> {
 
 #[test]
 fn head_dims_to_512_on_the_cpu_and_no_further() -> Result<()> {
-    // candle-flash-attn takes head dims up to 512: so does the CPU path here (a GPU stops at 256
-    // with an error naming the head dim); 520 is refused.
+    // candle-flash-attn takes head dims up to 512: so does the CPU path here (a GPU runs the slow
+    // path past 256, tested on CPU tensors below); 520 is refused.
     for d in [320, 512] {
         let (q, k, v) = (
             randn(&[1, 5, 2, d])?,
@@ -900,4 +900,259 @@ fn flash_attn_custom_op_struct() -> Result<()> {
         3.0,
     )?;
     check("FlashAttn op vs function", &got, &direct)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The slow path (CUDA calls past flashcore's GPU head dims) run on CPU tensors: the same candle
+// ops a GPU runs, against the f64 transliteration, in blocks of one or a few query rows as well
+// as whole.
+
+/// Runs `f` with the slow path's blocks at `elems` score elements and at the default.
+fn for_block_sizes(mut f: impl FnMut(&str) -> Result<()>) -> Result<()> {
+    for (name, elems) in [
+        ("blocks of 1 row", 1usize),
+        ("small blocks", 72),
+        ("whole", 1 << 26),
+    ] {
+        cfa::slow_path::set_block_elems(elems);
+        let r = f(name);
+        cfa::slow_path::set_block_elems(1 << 26);
+        r?;
+    }
+    Ok(())
+}
+
+#[test]
+fn slow_path_dense_every_option() -> Result<()> {
+    for d in [64, 320, 512] {
+        let (b, sq, sk, hq, hkv) = (2, 6, 9, 4, 2);
+        let q = randn(&[b, sq, hq, d])?;
+        let k = randn(&[b, sk, hkv, d])?;
+        let v = randn(&[b, sk, hkv, d])?;
+        let heads = alibi_heads(hq)?;
+        let per_batch = Tensor::stack(&[heads.clone(), (&heads * 0.5)?], 0)?;
+        for_block_sizes(|blocks| {
+            let mut outs = Vec::new();
+            for (slopes, l, r, cap) in [
+                (None, None, None, 0.0),
+                (None, None, Some(0), 0.0),
+                (None, Some(2), Some(1), 0.0),
+                (None, Some(3), None, 0.0),
+                (Some(&heads), None, Some(0), 0.0),
+                (Some(&per_batch), Some(4), Some(0), 0.0),
+                (None, None, Some(0), 2.0),
+                (Some(&heads), Some(2), Some(1), 2.0),
+            ] {
+                let name = format!(
+                    "slow dense d{d} {blocks} slopes={} ({l:?}, {r:?}) softcap {cap}",
+                    slopes.map(|s| s.rank()).unwrap_or(0)
+                );
+                let got = cfa::slow_path::dense(&q, &k, &v, slopes, 0.2, l, r, cap)?;
+                let want = fa2_dense(&q, &k, &v, slopes, 0.2, l, r, cap)?;
+                check(&name, &got, &want)?;
+                outs.push(got);
+            }
+            // every option changed the result (plain vs causal, windows, slopes, softcap)
+            for i in 1..outs.len() {
+                differs(
+                    &format!("slow dense d{d} option {i}"),
+                    &outs[i],
+                    &outs[i - 1],
+                )?;
+            }
+            Ok(())
+        })?;
+        // a causal call with more query rows than keys: the first rows see nothing (zeros)
+        let q = randn(&[1, 5, 2, d])?;
+        let k = randn(&[1, 3, 2, d])?;
+        let got = cfa::slow_path::dense(&q, &k, &k, None, 0.2, None, Some(0), 0.0)?;
+        check(
+            &format!("slow dense d{d} sq > sk"),
+            &got,
+            &fa2_dense(&q, &k, &k, None, 0.2, None, Some(0), 0.0)?,
+        )?;
+        let first = got
+            .narrow(1, 0, 2)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        assert_eq!(first, 0.0, "rows without keys must be zeros");
+    }
+    Ok(())
+}
+
+#[test]
+fn slow_path_varlen_matches() -> Result<()> {
+    for d in [16, 320] {
+        for p in [
+            Packed::new(&[5, 1, 8], &[5, 1, 8], 4, 2, d)?,
+            Packed::new(&[3, 1, 7, 0], &[9, 6, 12, 4], 6, 3, d)?,
+        ] {
+            let (cq, ck) = p.cu()?;
+            let hq = p.q.dims()[1];
+            let heads = alibi_heads(hq)?;
+            for_block_sizes(|blocks| {
+                for (slopes, l, r, cap) in [
+                    (None, None, Some(0), 0.0),
+                    (Some(&heads), Some(2), Some(1), 2.0),
+                    (None, Some(3), None, 0.0),
+                ] {
+                    let got = cfa::slow_path::varlen(
+                        &p.q, &p.k, &p.v, slopes, &cq, &ck, p.max_q, p.max_k, 0.4, l, r, cap,
+                    )?;
+                    check(
+                        &format!("slow varlen d{d} {blocks} ({l:?}, {r:?}) {cap}"),
+                        &got,
+                        &p.reference(slopes, 0.4, l, r, cap)?,
+                    )?;
+                }
+                Ok(())
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// The paged slow path against the function's CPU path (flashcore plus the crate's explicit
+/// recomputation of the rows that `mm_prefix_ranges` change): two implementations, one
+/// result, with and without ranges; both checked against the transliteration elsewhere.
+#[test]
+fn slow_path_paged_matches_the_cpu_path() -> Result<()> {
+    let ps = 16;
+    for d in [32, 320] {
+        let p = Packed::new(&[5, 1, 12, 20], &[40, 16, 12, 20], 4, 2, d)?;
+        let (cq, ck) = p.cu()?;
+        let (kp, vp, bt) = paged_pools(&p, ps)?;
+        let b = p.cu_q.len() - 1;
+        let mut flat = Vec::new();
+        for r in [
+            vec![(30, 40)],
+            vec![],
+            vec![(2, 7), (9, 12)],
+            vec![(-3, 2), (4, 11)],
+        ] {
+            for n in 0..2 {
+                let (s, e) = r.get(n).copied().unwrap_or((0, 0));
+                flat.extend([s, e]);
+            }
+        }
+        let ranges = Tensor::from_vec(flat, (b, 2, 2), &Device::Cpu)?;
+        for_block_sizes(|blocks| {
+            for (mm, l, r, cap) in [
+                (None, None, Some(0), None),
+                (Some(&ranges), None, Some(0), None),
+                (Some(&ranges), Some(2), Some(1), Some(3.0)),
+            ] {
+                let name = format!(
+                    "slow paged d{d} {blocks} mm={} ({l:?}, {r:?})",
+                    mm.is_some()
+                );
+                let got = cfa::slow_path::paged(
+                    &p.q, &kp, &vp, &cq, &ck, &bt, mm, p.max_q, p.max_k, 0.3, l, r, cap,
+                )?;
+                let want = cfa::flash_attn_varlen_paged_windowed(
+                    &p.q, &kp, &vp, &cq, &ck, &bt, mm, p.max_q, p.max_k, 0.3, l, r, ps, cap,
+                )?;
+                check(&name, &got, &want)?;
+                if mm.is_none() {
+                    check(
+                        &format!("{name} vs fa2"),
+                        &got,
+                        &p.reference(None, 0.3, l, r, 0.0)?,
+                    )?;
+                }
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
+
+/// The slow path's own validation (flashcore's is bypassed there): bad arguments are errors
+/// naming them, never panics.
+#[test]
+fn slow_path_errors_name_the_argument() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = randn(&[1, 4, 2, 320])?;
+    let k = randn(&[1, 6, 2, 320])?;
+    let err = |r: Result<Tensor>| r.expect_err("must be refused").to_string();
+    let d520 = randn(&[1, 4, 2, 520])?;
+    let msg = err(cfa::slow_path::dense(
+        &d520, &d520, &d520, None, 0.1, None, None, 0.0,
+    ));
+    assert!(msg.contains("q: head_dim"), "{msg}");
+    let k_other = randn(&[1, 6, 2, 312])?;
+    let msg = err(cfa::slow_path::dense(
+        &q, &k_other, &k_other, None, 0.1, None, None, 0.0,
+    ));
+    assert!(msg.contains("k: head_dim"), "{msg}");
+    let k3 = randn(&[1, 6, 3, 320])?;
+    let msg = err(cfa::slow_path::dense(
+        &q, &k3, &k3, None, 0.1, None, None, 0.0,
+    ));
+    assert!(msg.contains("heads_kv"), "{msg}");
+    let msg = err(cfa::slow_path::dense(
+        &q, &k, &k, None, -0.1, None, None, 0.0,
+    ));
+    assert!(msg.contains("softmax_scale"), "{msg}");
+    let msg = err(cfa::slow_path::dense(
+        &q,
+        &k,
+        &k,
+        None,
+        0.1,
+        None,
+        None,
+        f32::INFINITY,
+    ));
+    assert!(msg.contains("softcap"), "{msg}");
+    let bad_slopes = Tensor::ones(3, DType::F32, &dev)?;
+    let msg = err(cfa::slow_path::dense(
+        &q,
+        &k,
+        &k,
+        Some(&bad_slopes),
+        0.1,
+        None,
+        None,
+        0.0,
+    ));
+    assert!(msg.contains("alibi_slopes"), "{msg}");
+    let (pq, pk) = (randn(&[6, 2, 320])?, randn(&[6, 2, 320])?);
+    for (cu, name) in [
+        (vec![0u32, 4, 2], "non-decreasing"),
+        (vec![1u32, 6], "start at 0"),
+        (vec![0u32, 5], "end at"),
+        (vec![0u32, 6], "at most"),
+    ] {
+        let c = Tensor::new(cu.as_slice(), &dev)?;
+        let ok = Tensor::new(&[0u32, 6], &dev)?;
+        let msg = err(cfa::slow_path::varlen(
+            &pq, &pk, &pk, None, &c, &ok, 5, 6, 0.1, None, None, 0.0,
+        ));
+        assert!(msg.contains("seqlens_q") && msg.contains(name), "{msg}");
+    }
+    // a block table pointing past the pool
+    let pool = randn(&[2, 4, 2, 320])?;
+    let cq = Tensor::new(&[0u32, 2], &dev)?;
+    let ck = Tensor::new(&[0u32, 6], &dev)?;
+    let bt = Tensor::new(&[[0u32, 7]], &dev)?;
+    let msg = err(cfa::slow_path::paged(
+        &randn(&[2, 2, 320])?,
+        &pool,
+        &pool,
+        &cq,
+        &ck,
+        &bt,
+        None,
+        2,
+        6,
+        0.1,
+        None,
+        None,
+        None,
+    ));
+    assert!(msg.contains("block_table"), "{msg}");
+    Ok(())
 }
