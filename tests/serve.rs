@@ -310,6 +310,57 @@ fn continuous_batching_tensor_parallel_matches_one_rank() -> Result<()> {
     Ok(())
 }
 
+/// Logits `(sequences, vocab)` of one prefill step over `prompts` and one decode step after it
+/// (each sequence's next token fixed), with K/V pools of `kv`, pages of 16 in reverse order.
+fn prefill_and_decode_logits(
+    model: &Model,
+    prompts: &[Vec<u32>],
+    kv: DType,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let page = 16;
+    let pages_each = prompts
+        .iter()
+        .map(|p| (p.len() + 1).div_ceil(page))
+        .max()
+        .unwrap_or(1);
+    let n = pages_each * prompts.len();
+    let pools = model.kv_buffers(n, page, kv)?;
+    let tables: Vec<Vec<u32>> = (0..prompts.len())
+        .map(|s| {
+            (0..pages_each)
+                .map(|j| (n - 1 - (s * pages_each + j)) as u32)
+                .collect()
+        })
+        .collect();
+    let devices = model.devices();
+    let seqs: Vec<model::SeqStep> = prompts
+        .iter()
+        .zip(&tables)
+        .map(|(p, t)| model::SeqStep {
+            tokens: p,
+            cached: 0,
+            pages: t,
+        })
+        .collect();
+    let first = model.forward_paged(&model::PagedBatch::new(&seqs, page, &devices)?, &pools)?;
+    let next: Vec<[u32; 1]> = (0..prompts.len()).map(|i| [(7 + 13 * i) as u32]).collect();
+    let seqs: Vec<model::SeqStep> = prompts
+        .iter()
+        .zip(&tables)
+        .zip(&next)
+        .map(|((p, t), x)| model::SeqStep {
+            tokens: x,
+            cached: p.len(),
+            pages: t,
+        })
+        .collect();
+    let second = model.forward_paged(&model::PagedBatch::new(&seqs, page, &devices)?, &pools)?;
+    Ok((
+        first.flatten_all()?.to_vec1()?,
+        second.flatten_all()?.to_vec1()?,
+    ))
+}
+
 #[test]
 fn fp8_pools_hold_half_the_bytes_and_follow_the_f32_engine() -> Result<()> {
     let mut model = tiny_model()?;
@@ -320,19 +371,12 @@ fn fp8_pools_hold_half_the_bytes_and_follow_the_f32_engine() -> Result<()> {
         4 * KvPool::page_bytes(&cfg, 16, DType::F8E4M3, 1),
         KvPool::page_bytes(&cfg, 16, DType::F32, 1)
     );
-    let shapes = [(1, 6), (15, 6), (17, 6), (40, 6), (113, 6), (64, 6)];
-    let reqs = requests(&shapes, vocab, 23);
-    let opt = quiet();
-    let limits = Limits {
-        max_seqs: 4,
-        max_batch_tokens: 24,
-    };
-    let mut pool = KvPool::new(&model, 64, 16, DType::F32)?;
-    let exact = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool)?;
+    let reqs = requests(&[(1, 1), (15, 1), (17, 1), (40, 1), (113, 1)], vocab, 23);
+    let prompts: Vec<Vec<u32>> = reqs.iter().map(|r| r.prompt.clone()).collect();
+    let (exact_a, exact_b) = prefill_and_decode_logits(&model, &prompts, DType::F32)?;
 
     // An FP8 pool without scales is refused, naming the FP8 append.
-    let mut pool8 = KvPool::new(&model, 64, 16, DType::F8E4M3)?;
-    let Err(err) = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool8) else {
+    let Err(err) = prefill_and_decode_logits(&model, &prompts, DType::F8E4M3) else {
         panic!("FP8 pools without kv scales must be refused")
     };
     assert!(
@@ -341,27 +385,19 @@ fn fp8_pools_hold_half_the_bytes_and_follow_the_f32_engine() -> Result<()> {
     );
 
     // A scale far from 1, so that a path that dropped it (storing x / s, reading it back
-    // without * s) would be off by 20x and lose the tokens.
+    // without * s) would be off by 20x. The prefill step reads the keys it just stored (the
+    // FP8 pool), the decode step the cached ones; both against the f32 pools' logits,
+    // relative to the largest logit.
     model.set_kv_scale(Some(0.05))?;
-    let mut pool8 = KvPool::new(&model, 64, 16, DType::F8E4M3)?;
-    let fp8 = engine::serve_continuous(&model, &reqs, &opt, &limits, &mut pool8)?;
-    let (mut same, mut total) = (0, 0);
-    for (a, b) in fp8.finished.iter().zip(&exact.finished) {
-        assert_eq!(a.id, b.id);
-        assert_eq!(a.tokens.len(), b.tokens.len());
-        // Greedy continuations agree until the first flip; count the common prefix.
-        same += a
-            .tokens
-            .iter()
-            .zip(&b.tokens)
-            .take_while(|(x, y)| x == y)
-            .count();
-        total += b.tokens.len();
-    }
-    eprintln!("fp8 pools: {same}/{total} greedy tokens before the first difference");
-    assert!(
-        same * 10 >= total * 8,
-        "fp8 pools: {same}/{total} tokens agree"
-    );
+    let (fp8_a, fp8_b) = prefill_and_decode_logits(&model, &prompts, DType::F8E4M3)?;
+    let rel = |a: &[f32], b: &[f32]| -> f32 {
+        let big = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / big
+    };
+    let (ea, eb) = (rel(&fp8_a, &exact_a), rel(&fp8_b, &exact_b));
+    eprintln!("fp8 pools: logits off by {ea:.3} (prefill) and {eb:.3} (decode) of the largest");
+    // e4m3 storage: 0.03-0.11 over 60 runs of this random tiny model (fresh weights each run);
+    // with the scale dropped on the read, 1.0-1.5.
+    assert!(ea < 0.3 && eb < 0.3, "fp8 pools: {ea:.3} / {eb:.3}");
     Ok(())
 }
