@@ -79,7 +79,11 @@ fc_params! {
     /// Split-KV decode: > 0 balances the splits over the batch's lengths (at most
     /// `b * split_budget + b / 2` splits in all); 0: even splits of `sk`.
     split_budget: i32,
-    _pad: i32,
+    /// FP8 K/V (`k_scales`): 1 when the scales are per K/V head, 0 for one per tensor.
+    kv_scale_stride: i32,
     /// sm90 forward: zeroed i32 for the dynamic tile schedule, or 0 (static).
     tile_counter: u64,
+    /// FP8 K/V (the `_e4m3` decode kernels): f32 scales of K and V, or 0.
+    k_scales: u64,
+    v_scales: u64,
 }

@@ -5,12 +5,32 @@
 //! format's largest finite value (±448); it is read as `stored * scale`, with one f32 scale per
 //! K/V head or one for all heads ([`KvScales`]). The CPU path dequantizes to f32 and runs the
 //! f32 path (exact: an e4m3 value times an f32 scale is one f32 rounding), casting the output to
-//! q's dtype. The GPU kernels do not read FP8 yet: every entry point refuses it there with an
-//! error naming the option.
+//! q's dtype. On a GPU the split-KV decode kernels read FP8 K/V as they are (seq_q up to
+//! [`KERNEL_MAX_SQ`], bf16 / f16 q, head dims that are multiples of 16: [`in_kernel`]); every
+//! other GPU call takes the slow path: the K/V it reads (for a paged cache, the sequences'
+//! pages) dequantized into a temporary copy in q's dtype, then the kernels of that dtype
+//! (docs/decisions.md#fp8-keys-and-values-in-the-decode-kernel).
 
 use candle_core::{DType, Result, Tensor};
 
 use crate::params::{AttnParams, KvScales};
+
+/// Longest seq_q (rows per sequence) the FP8 decode kernels take: the split-KV decode's
+/// (`DECODE_MAX_SQ`, kernels/variants.rs).
+pub(crate) const KERNEL_MAX_SQ: usize = 16;
+
+/// Whether a GPU kernel reads this call's F8E4M3 K/V as they are: q (f16 / bf16) on a CUDA
+/// device, at most [`KERNEL_MAX_SQ`] query rows per sequence, a head dim that is a multiple of
+/// 16 up to 256 (the kernels copy 16-byte chunks of 16 e4m3 values). Otherwise the K/V are
+/// widened first ([`widened`], or the paged slow path in op.rs).
+pub(crate) fn in_kernel(q: &Tensor, max_sq: usize, d: usize) -> bool {
+    cfg!(feature = "cuda")
+        && q.device().is_cuda()
+        && matches!(q.dtype(), DType::BF16 | DType::F16)
+        && max_sq <= KERNEL_MAX_SQ
+        && d.is_multiple_of(16)
+        && d <= 256
+}
 
 /// The largest finite e4m3 value.
 pub const E4M3_MAX: f32 = 448.0;
@@ -66,7 +86,7 @@ pub(crate) fn quantize(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
 }
 
 /// The K/V form a call reads, after checking that `k`, `v` and `params.kv_scales` agree:
-/// `None` for plain K/V, `Some(scales)` for F8E4M3 K/V (on the CPU only, for now).
+/// `None` for plain K/V, `Some(scales)` for F8E4M3 K/V.
 pub(crate) fn kv_form<'a>(
     k: &Tensor,
     v: &Tensor,
@@ -95,20 +115,13 @@ pub(crate) fn kv_form<'a>(
         (Some(s), true, true) => {
             check_scale("kv_scales.k", &s.k, hkv, k)?;
             check_scale("kv_scales.v", &s.v, hkv, v)?;
-            if !k.device().is_cpu() {
-                return Err(bad(
-                    "kv_scales",
-                    "F8E4M3 k/v are not implemented on the GPU yet (dequantize them, or use the CPU path)",
-                    format!("{:?}", k.device().location()),
-                ));
-            }
             Ok(Some(s))
         }
     }
 }
 
 /// The scales an append into `k_pages` / `v_pages` quantizes with: `None` for plain pools,
-/// `Some` for F8E4M3 pools (CPU only, for now), after checking that pools and scales agree.
+/// `Some` for F8E4M3 pools, after checking that pools and scales agree.
 pub(crate) fn append_form<'a>(
     k_new: &Tensor,
     k_pages: &Tensor,
@@ -152,21 +165,15 @@ pub(crate) fn append_form<'a>(
             }
             check_scale("scales.k", &s.k, hkv, k_pages)?;
             check_scale("scales.v", &s.v, hkv, v_pages)?;
-            if !k_pages.device().is_cpu() {
-                return Err(bad(
-                    "k_pages",
-                    "F8E4M3 pools are not implemented on the GPU yet",
-                    format!("{:?}", k_pages.device().location()),
-                ));
-            }
             Ok(Some(s))
         }
     }
 }
 
-/// The widened problem an F8E4M3 call stands for: q and the dequantized K/V in f32 (f64 for an
-/// f64 q), the options without `kv_scales`. The output is then cast back to q's dtype
-/// ([`restore`]).
+/// The widened problem an F8E4M3 call stands for: on the CPU q and the dequantized K/V in f32
+/// (f64 for an f64 q); on a GPU (the slow path) q as it is and the K/V dequantized in f32 and
+/// rounded to q's dtype (one rounding, as bf16 K/V have). The options without `kv_scales`. The
+/// output is then cast back to q's dtype ([`restore`]).
 pub(crate) fn widened(
     q: &Tensor,
     k: &Tensor,
@@ -179,6 +186,7 @@ pub(crate) fn widened(
         ..params.clone()
     };
     let wide = match q.dtype() {
+        _ if !q.device().is_cpu() => q.dtype(),
         DType::F64 => DType::F64,
         _ => DType::F32,
     };

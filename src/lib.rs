@@ -365,7 +365,8 @@ pub fn append_kv_paged_varlen(
 /// [`append_kv_paged`] into F8E4M3 pools (an FP8 KV cache): each new row `x` (f16, bf16, f32 or
 /// f64) of K/V head `h` is stored as `x / scale[h]` saturated to ±[`E4M3_MAX`] and rounded to
 /// e4m3 (NaN stays NaN); attention reads it back with the same [`KvScales`] in
-/// `AttnParams::kv_scales`. CPU only for now (the GPU refuses F8E4M3 pools).
+/// `AttnParams::kv_scales`. On a GPU the quantization runs there and the append kernel moves
+/// the bytes (head dims that are multiples of 16).
 #[allow(clippy::too_many_arguments)]
 pub fn append_kv_paged_fp8(
     k_new: &Tensor,

@@ -24,6 +24,9 @@ pub(crate) struct Extra {
     pub page_table: Option<Tensor>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub seqlens_k: Option<Tensor>,
+    /// F8E4M3 K/V read as they are by a GPU kernel (`fp8::in_kernel`): their scales.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub kv_scales: Option<crate::KvScales>,
 }
 
 pub(crate) struct FlashAttn {
@@ -390,13 +393,15 @@ fn strides_of(t: &Tensor) -> [usize; 3] {
 }
 
 /// The GPU kernels load 16-byte vectors: a view whose offset or strides are not multiples of 8
-/// elements is copied to a contiguous tensor first (the only copy flashcore ever makes).
+/// elements (16 for F8E4M3) is copied to a contiguous tensor first (the only copy flashcore ever
+/// makes).
 fn aligned(t: &Tensor) -> Result<Tensor> {
     let l = t.layout();
     let rank = t.rank();
+    let m = 16 / t.dtype().size_in_bytes().clamp(1, 2);
     if t.device().is_cuda()
-        && (!l.start_offset().is_multiple_of(8)
-            || l.stride()[..rank - 1].iter().any(|s| !s.is_multiple_of(8)))
+        && (!l.start_offset().is_multiple_of(m)
+            || l.stride()[..rank - 1].iter().any(|s| !s.is_multiple_of(m)))
     {
         t.contiguous()
     } else {
@@ -484,9 +489,13 @@ pub(crate) fn run(
     params: &AttnParams,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    if let Some(s) = crate::fp8::kv_form(k, v, params)? {
-        let (q2, k2, v2, p) = crate::fp8::widened(q, k, v, s, params)?;
-        return crate::fp8::restore(run(&q2, &k2, &v2, &p, want_lse)?, q.dtype());
+    let kv_scales = crate::fp8::kv_form(k, v, params)?;
+    if let Some(s) = kv_scales {
+        let sq = q.dims().get(1).copied().unwrap_or(0);
+        if !crate::fp8::in_kernel(q, sq, last_dim(q)) {
+            let (q2, k2, v2, p) = crate::fp8::widened(q, k, v, s, params)?;
+            return crate::fp8::restore(run(&q2, &k2, &v2, &p, want_lse)?, q.dtype());
+        }
     }
     let problem = validate(q, k, v, params)?;
     if problem.chunk.is_some() && !q.device().is_cpu() {
@@ -496,6 +505,7 @@ pub(crate) fn run(
     let extra = Extra {
         alibi_slopes: params.alibi_slopes.clone(),
         sinks: params.sinks.clone(),
+        kv_scales: kv_scales.cloned(),
         ..Default::default()
     };
     apply(q, k, v, problem, extra, want_lse)
@@ -511,10 +521,13 @@ pub(crate) fn run_varlen(
     params: &AttnParams,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    if let Some(s) = crate::fp8::kv_form(k, v, params)? {
-        let (q2, k2, v2, p) = crate::fp8::widened(q, k, v, s, params)?;
-        let r = run_varlen(&q2, &k2, &v2, seqs, &p, want_lse)?;
-        return crate::fp8::restore(r, q.dtype());
+    let kv_scales = crate::fp8::kv_form(k, v, params)?;
+    if let Some(s) = kv_scales {
+        if !crate::fp8::in_kernel(q, seqs.max_q, last_dim(q)) {
+            let (q2, k2, v2, p) = crate::fp8::widened(q, k, v, s, params)?;
+            let r = run_varlen(&q2, &k2, &v2, seqs, &p, want_lse)?;
+            return crate::fp8::restore(r, q.dtype());
+        }
     }
     let problem = validate_varlen(
         q, k, v, seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, params,
@@ -549,6 +562,7 @@ pub(crate) fn run_varlen(
         sinks: params.sinks.clone(),
         cu_q: Some(seqs.cu_q.clone()),
         cu_k: Some(seqs.cu_k.clone()),
+        kv_scales: kv_scales.cloned(),
         ..Default::default()
     };
     apply(q, k, v, problem, extra, want_lse)
@@ -573,9 +587,19 @@ pub(crate) fn run_paged(
     params: &AttnParams,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    // F8E4M3 pools (CPU only: `kv_form` refuses them on a GPU) stay in e4m3 through the gather
-    // below; `run_varlen` then dequantizes only the rows the sequences read.
-    crate::fp8::kv_form(kv.k_pages, kv.v_pages, params)?;
+    // F8E4M3 pools: on the CPU they stay in e4m3 through the gather below (`run_varlen` then
+    // dequantizes only the rows the sequences read); on a GPU a decode kernel reads them, or
+    // the slow path widens the sequences' pages (`paged_fp8_widened`).
+    let kv_scales = crate::fp8::kv_form(kv.k_pages, kv.v_pages, params)?;
+    let max_q = match packed_q {
+        Some((_, m)) => m,
+        None => q.dims().get(1).copied().unwrap_or(0),
+    };
+    if let Some(s) = kv_scales {
+        if !q.device().is_cpu() && !crate::fp8::in_kernel(q, max_q, last_dim(q)) {
+            return paged_fp8_widened(q, kv, packed_q, params, s, want_lse);
+        }
+    }
     let problem = validate_paged(
         q,
         kv.k_pages,
@@ -609,8 +633,92 @@ pub(crate) fn run_paged(
         cu_k: None,
         page_table: Some(kv.page_table.clone()),
         seqlens_k: Some(kv.seqlens_k.clone()),
+        kv_scales: kv_scales.cloned(),
     };
     apply(q, kv.k_pages, kv.v_pages, problem, extra, want_lse)
+}
+
+/// The last dimension of `t` (its head dim), 0 for a scalar.
+fn last_dim(t: &Tensor) -> usize {
+    t.dims().last().copied().unwrap_or(0)
+}
+
+/// The slow path of F8E4M3 pools on a GPU (problems no FP8 kernel takes, such as chunked
+/// prefill; `fp8::in_kernel`): the tables are read and checked on the host, the pages the
+/// sequences read are copied out of the pools and dequantized into temporary pools in q's
+/// dtype (one rounding of `stored * scale`, as bf16 K/V have), and the problem runs on those
+/// with the page table renumbered into them. Pages no sequence reads are not touched.
+/// docs/decisions.md#fp8-keys-and-values-in-the-decode-kernel.
+fn paged_fp8_widened(
+    q: &Tensor,
+    kv: &PagedKv,
+    packed_q: Option<(&Tensor, usize)>,
+    params: &AttnParams,
+    scales: &crate::KvScales,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let problem = validate_paged(
+        q,
+        kv.k_pages,
+        kv.v_pages,
+        kv.page_table,
+        kv.seqlens_k,
+        packed_q,
+        params,
+    )?;
+    let Keys::Paged {
+        page_size,
+        num_pages,
+        max_pages,
+    } = problem.keys
+    else {
+        candle_core::bail!("flashcore: internal: paged problem without pages")
+    };
+    let table = kv.page_table.flatten_all()?.to_vec1::<u32>()?;
+    let lens = check_pages(
+        &table,
+        &kv.seqlens_k.to_vec1::<u32>()?,
+        page_size,
+        num_pages,
+        max_pages,
+    )?;
+    // pages in first-use order, and the table renumbered into them
+    let mut slot = vec![u32::MAX; num_pages];
+    let mut pages: Vec<usize> = Vec::new();
+    let mut renumbered = vec![0u32; table.len()];
+    for (i, &len) in lens.iter().enumerate() {
+        for j in 0..len.div_ceil(page_size) {
+            let page = table[i * max_pages + j] as usize;
+            if slot[page] == u32::MAX {
+                slot[page] = pages.len() as u32;
+                pages.push(page);
+            }
+            renumbered[i * max_pages + j] = slot[page];
+        }
+    }
+    if pages.is_empty() {
+        pages.push(0); // no keys at all: one page keeps the pools' shapes valid
+    }
+    let widen = |pool: &Tensor, scale: &Tensor| -> Result<Tensor> {
+        let parts = pages
+            .iter()
+            .map(|&p| pool.narrow(0, p, 1))
+            .collect::<Result<Vec<_>>>()?;
+        crate::fp8::dequantize(&Tensor::cat(&parts, 0)?, scale)?.to_dtype(q.dtype())
+    };
+    let (k, v) = (widen(kv.k_pages, &scales.k)?, widen(kv.v_pages, &scales.v)?);
+    let page_table = Tensor::from_vec(renumbered, kv.page_table.shape(), q.device())?;
+    let wide = PagedKv {
+        k_pages: &k,
+        v_pages: &v,
+        page_table: &page_table,
+        seqlens_k: kv.seqlens_k,
+    };
+    let p = AttnParams {
+        kv_scales: None,
+        ..params.clone()
+    };
+    run_paged(q, &wide, packed_q, &p, want_lse)
 }
 
 /// The CPU path of [`run_paged`]: every table value checked on the host (errors name the

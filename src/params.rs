@@ -90,8 +90,8 @@ pub struct AttnParams {
     /// on a page): docs/decisions.md#chunked-attention.
     pub chunk: Option<usize>,
     /// The scales of F8E4M3 keys and values (an FP8 KV cache): required when k/v are
-    /// `DType::F8E4M3`, refused otherwise. CPU only for now: the GPU kernels refuse FP8 K/V with
-    /// an error naming this option.
+    /// `DType::F8E4M3`, refused otherwise. On a GPU the split-KV decode kernels read FP8 K/V
+    /// (seq_q <= 16); other problems dequantize the K/V they read first (the slow path).
     pub kv_scales: Option<KvScales>,
 }
 
@@ -180,6 +180,10 @@ pub(crate) struct Problem {
     pub q_strides: [usize; 3],
     pub k_strides: [usize; 3],
     pub v_strides: [usize; 3],
+    /// K/V stored as F8E4M3 with `AttnParams::kv_scales` (only where a GPU kernel reads them
+    /// as such: `fp8::in_kernel`; every other path widens FP8 K/V before validation).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub kv_fp8: bool,
 }
 
 impl Problem {
@@ -558,6 +562,7 @@ pub(crate) fn validate(
         chunk: normalise_chunk(p.chunk, normalise_mask(p.mask, sq, sk), sk, sq > sk),
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
+        kv_fp8: p.kv_scales.is_some(),
         alibi_per_batch,
         seqs: Seqs::Dense,
         keys: Keys::Rows,
@@ -660,6 +665,7 @@ pub(crate) fn validate_varlen(
         ),
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
+        kv_fp8: p.kv_scales.is_some(),
         alibi_per_batch,
         seqs: Seqs::Varlen { total_q, total_k },
         keys: Keys::Rows,
@@ -906,6 +912,7 @@ pub(crate) fn validate_paged(
         ),
         softcap: p.softcap,
         alibi: p.alibi_slopes.is_some(),
+        kv_fp8: p.kv_scales.is_some(),
         alibi_per_batch,
         seqs,
         keys: Keys::Paged {

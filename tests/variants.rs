@@ -616,3 +616,42 @@ fn two_q_buffers_keep_the_o_buffer() {
          d128 window kernels; bf16 and f16"
     );
 }
+
+/// Every split-KV decode row has exactly one FP8-K/V twin (`KvType::E4m3`): the same tile, a
+/// symbol naming e4m3, shared memory that fits sm_86/89; no other kernel reads FP8.
+#[test]
+fn fp8_decode_twins() {
+    for v in VARIANTS
+        .iter()
+        .filter(|v| v.kind == KKind::Decode && v.kv == KvType::Same)
+    {
+        let twins: Vec<_> = VARIANTS
+            .iter()
+            .filter(|w| {
+                w.kv == KvType::E4m3
+                    && w.family == v.family
+                    && w.dtype == v.dtype
+                    && w.head_dim == v.head_dim
+                    && w.mask == v.mask
+            })
+            .collect();
+        assert_eq!(twins.len(), 1, "{}: FP8 twins", v.symbol());
+        let t = twins[0];
+        assert_eq!(
+            (t.block_m, t.block_n, t.warps),
+            (v.block_m, v.block_n, v.warps),
+            "{}",
+            t.symbol()
+        );
+        assert!(t.symbol().contains("_e4m3_"), "{}", t.symbol());
+        assert!(
+            t.smem_bytes() <= SMEM_SM86,
+            "{}: {} B",
+            t.symbol(),
+            t.smem_bytes()
+        );
+    }
+    assert!(VARIANTS
+        .iter()
+        .all(|v| v.kv == KvType::Same || v.kind == KKind::Decode));
+}

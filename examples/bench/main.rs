@@ -17,6 +17,9 @@
 //!   ... --grid sinks --verify
 //!       (gpt-oss attention: d64, 64/8 heads, learnable sinks, causal and a 128-key causal
 //!        window; `--shape ... --sinks --window 127` runs one such problem)
+//!   ... --grid fp8decode
+//!       (paged decode, 32/8 heads d128 pages of 64, b1/8/64 x 4k-32k: a bf16 KV cache against
+//!        the same cache in FP8 e4m3; times, GB/s, speed-up and the outputs' largest difference)
 //!   ... --grid fa3 --backend all --json > fa3.jsonl
 //!   ... --plot-from fa3.jsonl,sdpa.jsonl,fa4.jsonl --plot docs/charts/fa3
 //!       (SVG charts, no device needed: TFLOPS per shape with one series per backend, and
@@ -25,6 +28,7 @@
 //! `--verify` judges every flashcore row (flashcore, paged, varlen) against the CPU reference
 //! with the tolerance of examples/bench/judge.rs, prints FAIL rows and exits non-zero on any.
 
+mod fp8;
 mod judge;
 mod plot;
 
@@ -61,6 +65,8 @@ struct Args {
     /// A named grid: fa3, seeds, llama, sinks, dv (comma-separated for several). sinks: gpt-oss's
     /// attention (d64, 64/8 heads, learnable sinks; causal, and a causal window of 128 keys).
     /// dv: DeepSeek's prefill head dims (q/k 192, v 128; 16 heads).
+    /// fp8decode (alone): paged decode over a bf16 cache against the same cache in FP8
+    /// (examples/bench/fp8.rs).
     #[arg(long)]
     grid: Option<String>,
     /// Force a kernel family: sm80 or sm90.
@@ -619,6 +625,9 @@ fn main() -> Result<()> {
     #[cfg(not(feature = "cuda"))]
     if args.force_arch.is_some() {
         bail!("--force-arch needs a build with the `cuda` feature");
+    }
+    if args.grid.as_deref() == Some("fp8decode") {
+        return fp8::grid(&args, &dev);
     }
     let kv_lens = match &args.kv_lens {
         Some(spec) => {

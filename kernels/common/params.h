@@ -70,10 +70,14 @@ struct FcParams {
                             // fc::pages_lie) and the host launches no fc_check_seqlens after it
     int32_t split_budget;   // split-KV decode: > 0 balances the splits over the batch's lengths
                             // (sm80/decode.cuh balanced_tps); 0: even splits of p.sk
-    int32_t _pad;
+    int32_t kv_scale_stride;  // FP8 K/V: k_scales[kvh * kv_scale_stride] (1 per head, 0 per tensor)
     // sm90 forward, persistent grid: a zeroed int32 the CTAs draw their next tile from (dynamic
     // schedule), or null for the static round-robin schedule. Ignored by the sm80 kernels.
     int32_t* tile_counter;
+    // FP8 (e4m3) K/V, read by the split-KV decode's `_e4m3` kernels only, null otherwise: f32
+    // scales, real value = stored value * scale of its K/V head (AttnParams::kv_scales).
+    const float* k_scales;
+    const float* v_scales;
 };
 
 // What a compiled kernel needs from its launch and what it can compute, stated by its

@@ -92,13 +92,18 @@ __device__ __forceinline__ float sink_of(const FcParams& p, int h) {
 // as the CPU's `slope * dist` overflowing to -inf. A non-finite slope gives NaN, which reaches
 // every score of the head, distance 0 included (the CPU path's rule for such slopes); masked keys
 // are set to -inf after this bias, so rows that see no key still come out empty.
-__device__ __forceinline__ float alibi_slope_units(const FcParams& p, int bi, int h) {
+// `scale`: the softmax scale the scores are kept in (p.scale; an FP8 decode's p.scale times its
+// K scale's magnitude, sm80/decode.cuh).
+__device__ __forceinline__ float alibi_slope_units_at(const FcParams& p, int bi, int h, float scale) {
     if (p.alibi_slopes == nullptr) return 0.f;
-    const float unit = p.softcap > 0.f ? p.softcap : p.scale;
+    const float unit = p.softcap > 0.f ? p.softcap : scale;
     const float slope = __ldg(p.alibi_slopes + (int64_t)bi * p.alibi_batch_stride + h);
     constexpr float kMax = 3.40282346638528859812e+38f;
     if (!(fabsf(slope) <= kMax)) return __int_as_float(0x7fffffff);
     return fminf(fmaxf(slope / unit, -kMax), kMax);
+}
+__device__ __forceinline__ float alibi_slope_units(const FcParams& p, int bi, int h) {
+    return alibi_slope_units_at(p, bi, h, p.scale);
 }
 
 // Scores with an ALiBi bias are floored at -2^16 in exp2 units (alibi_floor, in the kept scores'
@@ -108,10 +113,11 @@ __device__ __forceinline__ float alibi_slope_units(const FcParams& p, int bi, in
 // 2^16; at the unfloored -1e33 of a slope of 1e30 it was 2^83: P = inf, NaN rows). A row whose
 // visible keys all lie below the floor (seq_q > seq_k rows before the diagonal under a huge
 // slope, or raw scores past the documented |q.k * scale * log2(e)| < 2^16) averages them.
-__device__ __forceinline__ float alibi_floor(const FcParams& p) {
-    const float unit_log2 = p.softcap > 0.f ? p.softcap * 1.4426950408889634f : p.scale_log2;
+__device__ __forceinline__ float alibi_floor_at(const FcParams& p, float scale_log2) {
+    const float unit_log2 = p.softcap > 0.f ? p.softcap * 1.4426950408889634f : scale_log2;
     return -65536.f / unit_log2;
 }
+__device__ __forceinline__ float alibi_floor(const FcParams& p) { return alibi_floor_at(p, p.scale_log2); }
 
 // Score s minus the ALiBi bias slope_u * dist, floored at lo (alibi_floor). A NaN (a non-finite
 // slope) passes the floor.

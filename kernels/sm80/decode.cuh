@@ -83,6 +83,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <type_traits>
 #include "common/params.h"
 #include "common/softmax.cuh"
 #include "common/seqlens.cuh"
@@ -215,17 +216,71 @@ __device__ __forceinline__ int balanced_tps(const FcParams& p, int nsplit) {
     return lo;
 }
 
-// ---------------------------------------------------------------- split kernel
-// Dynamic shared memory of a split kernel: the packed Q tile, then S stages of a K and a V tile
-// (the epilogue reuses it).
-__host__ __device__ constexpr uint32_t split_smem_bytes(int D, int BM, int BN, int S) {
-    return (uint32_t)((BM + 2 * S * BN) * D * 2);
+// ---------------------------------------------------------------- FP8 (e4m3) K/V
+// Stored K/V element of the `_e4m3` kernels: one e4m3 byte (s.eeee.mmm, bias 7; S.1111.111 is
+// NaN, no infinity).
+using e4m3_t = uint8_t;
+
+// Two e4m3 bytes x (bits 8-15 and 24-31 of the word, the rest zero) as two values of T, exactly
+// (every e4m3 value, subnormals included, is a T value): the byte's exponent and mantissa bits
+// shifted into T's fields make T's value times 2^(T's bias - 7), undone by one exact multiply.
+// NaN bytes map to 480 = 1.875 * 2^8 that way and are set to NaN after. `flip` XORs the signs
+// (0x80008000 or 0), `keep` ANDs the values (all ones, or 0 for zeros): a K scale's sign and
+// zero (`split_kernel`). NaN stays NaN through both.
+template <typename T>
+__device__ __forceinline__ uint32_t e4m3x2_to(uint32_t x, uint32_t flip, uint32_t keep) {
+    uint32_t u;
+    if constexpr (std::is_same<T, __half>::value) {
+        const uint32_t h = (x & 0x80008000u) | ((x >> 1) & 0x3F803F80u);
+        asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(u) : "r"(h), "r"(0x5C005C00u));  // * 2^8
+    } else {
+        const uint32_t h = (x & 0x80008000u) | ((x >> 4) & 0x07F007F0u);
+        // * 2^120 (bf16 0x7B80), + (-0): fma is the bf16x2 multiply sm_80 has
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(u) : "r"(h), "r"(0x7B807B80u), "r"(0x80008000u));
+    }
+    u = (u ^ flip) & keep;
+    if ((x & 0x7F00u) == 0x7F00u) u |= 0x7FFFu;
+    if ((x & 0x7F000000u) == 0x7F000000u) u |= 0x7FFF0000u;
+    return u;
 }
 
-template <typename T, int D, int MASK, int BM, int BN, int W, int S, int PF = 128>
+// 16 e4m3 bytes (one 16-byte chunk of a row) as 16 values of T, in order, into two 16-byte
+// chunks lo (values 0-7) and hi (values 8-15).
+template <typename T>
+__device__ __forceinline__ void e4m3x16_to(const uint4 w, uint4& lo, uint4& hi, uint32_t flip, uint32_t keep) {
+    // __byte_perm(w, 0, 0x1404): bytes 0, 1 of w into bits 8-15, 24-31; 0x3424: bytes 2, 3
+    lo.x = e4m3x2_to<T>(__byte_perm(w.x, 0, 0x1404), flip, keep);
+    lo.y = e4m3x2_to<T>(__byte_perm(w.x, 0, 0x3424), flip, keep);
+    lo.z = e4m3x2_to<T>(__byte_perm(w.y, 0, 0x1404), flip, keep);
+    lo.w = e4m3x2_to<T>(__byte_perm(w.y, 0, 0x3424), flip, keep);
+    hi.x = e4m3x2_to<T>(__byte_perm(w.z, 0, 0x1404), flip, keep);
+    hi.y = e4m3x2_to<T>(__byte_perm(w.z, 0, 0x3424), flip, keep);
+    hi.z = e4m3x2_to<T>(__byte_perm(w.w, 0, 0x1404), flip, keep);
+    hi.w = e4m3x2_to<T>(__byte_perm(w.w, 0, 0x3424), flip, keep);
+}
+
+// ---------------------------------------------------------------- split kernel
+// Dynamic shared memory of a split kernel: the packed Q tile, then S stages of a K and a V tile
+// of KB-byte elements (the epilogue reuses it); with e4m3 K/V (KB = 1) also one K and one V tile
+// widened to 16 bits, which the tensor-core loop reads (= Variant::smem_bytes()).
+__host__ __device__ constexpr uint32_t split_smem_bytes(int D, int BM, int BN, int S, int KB = 2) {
+    return (uint32_t)(BM * D * 2 + 2 * S * BN * D * KB + (KB == 1 ? 2 * BN * D * 2 : 0));
+}
+
+// KV: T, or e4m3_t for FP8 K/V (the `_e4m3` kernels): the ring holds K/V tiles of bytes as
+// they are in memory (row-major, unswizzled); after a tile lands each thread widens the chunks
+// it copied into one K and one V tile of T (swizzled as a 16-bit tile), which the loop below
+// reads unchanged. The K scale of the head folds into the softmax scale (its sign and zero
+// into the widened K), the V scale into the final 1 / L: no per-element multiply.
+template <typename T, int D, int MASK, int BM, int BN, int W, int S, typename KV = T, int PF = 128>
 __device__ __forceinline__ void split_kernel(const FcParams& p) {
     constexpr int THREADS = W * 32;
-    constexpr int CPR = D / 8;   // 16-byte chunks per row
+    constexpr int CPR = D / 8;   // 16-byte chunks per row of Q (and of 16-bit K/V)
+    constexpr bool F8 = sizeof(KV) == 1;
+    constexpr int KB = sizeof(KV);     // bytes per stored K/V element
+    constexpr int KEL = 16 / KB;       // K/V elements per 16-byte chunk
+    constexpr int KCPR = D / KEL;      // 16-byte chunks per K/V row
+    static_assert(std::is_same<KV, T>::value || std::is_same<KV, e4m3_t>::value, "K/V: T or e4m3");
     constexpr int KT = D / 16;   // k16 steps of Q.K^T
     constexpr int NT = D / 8;    // n8 tiles of O
     constexpr bool Q_IN_REGS = D <= 128;
@@ -236,14 +291,18 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     static_assert(S >= 2, "STAGES >= 2");
     static_assert(THREADS % CPR == 0, "32*WARPS must be a multiple of HEAD_DIM/8");
     static_assert((BN * CPR) % THREADS == 0 && (BM * CPR) % THREADS == 0, "tile/thread mismatch");
+    static_assert(THREADS % KCPR == 0 && (BN * KCPR) % THREADS == 0, "K/V tile/thread mismatch");
     // epilogue scratch (per-warp O, m, l) must fit in the dynamic smem
-    static_assert(W * 16 * (D + 8) * 4 + W * 16 * 2 * 4 <= split_smem_bytes(D, BM, BN, S), "epilogue smem");
+    static_assert(W * 16 * (D + 8) * 4 + W * 16 * 2 * 4 <= split_smem_bytes(D, BM, BN, S, KB), "epilogue smem");
 
     extern __shared__ __align__(128) unsigned char fc_decode_smem[];
     pdl_wait();               // inputs of a preceding kernel (no-op without PDL)
     pdl_launch_dependents();  // let the combine grid get scheduled early (it waits for our completion)
     T* sQ = reinterpret_cast<T*>(fc_decode_smem);
-    T* sKV = sQ + BM * D;  // S stages of [K tile BN x D][V tile BN x D]
+    // S stages of [K tile BN x D][V tile BN x D] of KV elements (addressed in units of T, as
+    // the 16-bit kernels always were); F8: then the widened K and V tiles
+    T* sKV = sQ + BM * D;
+    T* sKw = sKV + S * BN * D * KB;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, t4 = lane & 3;
@@ -289,7 +348,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     const bool warp_rows = p.page_size % BN != 0;
     // this thread's first row of a tile (paged, whole pages; rows then every 32 / CPR with
     // `warp_rows`, every THREADS / CPR otherwise)
-    auto row_first = [&]() { return warp_rows ? warp * RW + lane / CPR : tid / CPR; };
+    auto row_first = [&]() { return warp_rows ? warp * RW + lane / KCPR : tid / KCPR; };
     const int last_page = paged ? p.total_k / p.page_size - 1 : 0;
     int pg_base = 0, pg_cur = 0, pg_nxt = 0;
     auto read_pages = [&](int j) {  // page id j of the sequence (0 past the table's row)
@@ -311,6 +370,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
 
     const int dch = p.d / 8;
+    const int kdch = F8 ? p.d / KEL : dch;  // F8: the host passes p.d % 16 == 0
     const int rows_here = min(BM, rows_total - r0);
     const int mtiles = (rows_here + 15) >> 4;
     int WM = 1;
@@ -364,9 +424,9 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     // ---- global pointers
     const T* qg = static_cast<const T*>(p.q) + (int64_t)bb * p.q_batch_stride + (int64_t)sr.q0 * p.q_row_stride;
     // paged (p.page_table): kg / vg are the head's base in the pools; rows through fc::paged_row
-    const T* kg = static_cast<const T*>(p.k) + (int64_t)kvh * p.k_head_stride +
+    const KV* kg = static_cast<const KV*>(p.k) + (int64_t)kvh * p.k_head_stride +
                   (paged ? 0 : (int64_t)bb * p.k_batch_stride + (int64_t)sr.k0 * p.k_row_stride);
-    const T* vg = static_cast<const T*>(p.v) + (int64_t)kvh * p.v_head_stride +
+    const KV* vg = static_cast<const KV*>(p.v) + (int64_t)kvh * p.v_head_stride +
                   (paged ? 0 : (int64_t)bb * p.v_batch_stride + (int64_t)sr.k0 * p.v_row_stride);
     const int64_t ksr = p.k_row_stride, vsr = p.v_row_stride;
 
@@ -421,11 +481,11 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     // wait for seqused_k (rows past the length are not copied).
     int pf_tile = -1, pf_page = 0, pf_slot = 0;
     auto lookup = [&](int t, int& page, int& slot) {
-        constexpr int TPR = 32 / CPR, ITERS = BN * CPR / THREADS;
+        constexpr int TPR = 32 / KCPR, ITERS = BN * KCPR / THREADS;
         page = 0;
         slot = 0;
         if (lane < TPR * ITERS) {
-            const int key = t * BN + warp * TPR + (lane % TPR) + (THREADS / CPR) * (lane / TPR);
+            const int key = t * BN + warp * TPR + (lane % TPR) + (THREADS / KCPR) * (lane / TPR);
             if (key < p.sk) page = fc::page_of(p, bb, key, slot);
         }
     };
@@ -453,16 +513,23 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         ko = page * p.k_batch_stride + (int64_t)slot * ksr;
         vo = page * p.v_batch_stride + (int64_t)slot * vsr;
     };
+    // Shared address of (row, 16-byte chunk) in a ring tile of e4m3 bytes: row-major,
+    // unswizzled (each thread reads back only what it copied, see the widening below). The
+    // 16-bit tiles are swizzled (`swz`); their address arithmetic is kept as it was, and their
+    // kernels' PTX with it (other forms spilled d64 local 8 B on sm_80).
+    auto at8 = [](T* tile, int row, int ch) {
+        return smem_u32(reinterpret_cast<unsigned char*>(tile) + row * D + ch * 16);
+    };
     auto load_tile = [&](int t, int slot) {
-        T* sK = sKV + slot * (2 * BN * D);
-        T* sV = sK + BN * D;
-        const int ch = tid % CPR;
-        const int row0 = tid / CPR;
+        T* sK = sKV + slot * (2 * BN * D * KB / 2);  // 2 * BN * D * KB bytes per slot
+        T* sV = sK + BN * D * KB / 2;
+        const int ch = tid % KCPR;
+        const int row0 = tid / KCPR;
         const int key0 = t * BN + row0;
         if (whole_pages) {
             // The warp's rows follow each other in one page (tiles start at multiples of BN),
             // addressed as in the contiguous cache. Rows past the sequence: zero-filled.
-            constexpr int UNROLL = BN * CPR / THREADS > 8 ? 4 : BN * CPR / THREADS;  // as below
+            constexpr int UNROLL = BN * KCPR / THREADS > 8 ? 4 : BN * KCPR / THREADS;  // as below
             int64_t ko, vo;
             if (nx_t == t) {
                 ko = nx_ko;
@@ -470,28 +537,28 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             } else {
                 page_offsets(t, ko, vo);
             }
-            const T* kp = kg + ko + ch * 8;
-            const T* vp = vg + vo + ch * 8;
+            const KV* kp = kg + ko + ch * KEL;
+            const KV* vp = vg + vo + ch * KEL;
             // the rows' copies, with the step between a thread's rows a compile-time constant
             // (as a runtime value it cost pages of 64 0.5-1 %)
             auto copy_rows = [&](auto step_c, int rf) {
                 constexpr int STEP = decltype(step_c)::value;
-                const T* kpi = kp;
-                const T* vpi = vp;
+                const KV* kpi = kp;
+                const KV* vpi = vp;
 #pragma unroll UNROLL
-                for (int it = 0; it < BN * CPR / THREADS; ++it) {
+                for (int it = 0; it < BN * KCPR / THREADS; ++it) {
                     const int row = rf + it * STEP;
-                    const bool ok = t * BN + row < sk && ch < dch;
-                    cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), ok ? kpi : kg, ok);
-                    cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), ok ? vpi : vg, ok);
+                    const bool ok = t * BN + row < sk && ch < kdch;
+                    cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), ok ? kpi : kg, ok);
+                    cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), ok ? vpi : vg, ok);
                     kpi += STEP * ksr;
                     vpi += STEP * vsr;
                 }
             };
             if (warp_rows) {
-                copy_rows(IntC<32 / CPR>{}, row_first());
+                copy_rows(IntC<32 / KCPR>{}, row_first());
             } else {
-                copy_rows(IntC<THREADS / CPR>{}, row_first());
+                copy_rows(IntC<THREADS / KCPR>{}, row_first());
             }
             // the next tile's rows, while these copies are in flight: its issue is then only
             // the copies, as in the contiguous cache (the page arithmetic in front of every
@@ -507,9 +574,9 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             // takes its row's page and slot by shuffle. (A lookup per pass put ITERS dependent
             // page-table loads, mostly L2 misses, in front of every tile: b1/b8 decode ran
             // 0.6-0.8x the contiguous cache; one lookup per tile, not ahead: 0.82-0.90x.)
-            constexpr int TPR = 32 / CPR;  // distinct rows of a warp per pass
-            constexpr int ITERS = BN * CPR / THREADS;
-            static_assert(32 % CPR == 0 && TPR * ITERS <= 32, "paged decode: one row per lane");
+            constexpr int TPR = 32 / KCPR;  // distinct rows of a warp per pass
+            constexpr int ITERS = BN * KCPR / THREADS;
+            static_assert(32 % KCPR == 0 && TPR * ITERS <= 32, "paged decode: one row per lane");
             // d256 (16 passes) unrolled by 4: unrolled fully its tiles spilled 12-24 B
             constexpr int UNROLL = ITERS > 8 ? 4 : ITERS;
             int my_page, my_slot;
@@ -523,37 +590,46 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             pf_tile = t + 1;
 #pragma unroll UNROLL
             for (int it = 0; it < ITERS; ++it) {
-                const int row = row0 + it * (THREADS / CPR);
-                const int key = key0 + it * (THREADS / CPR);
-                const bool ok = key < sk && ch < dch;
-                const int src = lane / CPR + TPR * it;
+                const int row = row0 + it * (THREADS / KCPR);
+                const int key = key0 + it * (THREADS / KCPR);
+                const bool ok = key < sk && ch < kdch;
+                const int src = lane / KCPR + TPR * it;
                 const int64_t page = __shfl_sync(0xffffffffu, my_page, src);
                 const int slot = __shfl_sync(0xffffffffu, my_slot, src);
-                const T* kp = ok ? kg + page * p.k_batch_stride + (int64_t)slot * ksr + ch * 8 : kg;
-                const T* vp = ok ? vg + page * p.v_batch_stride + (int64_t)slot * vsr + ch * 8 : vg;
-                cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), kp, ok);
-                cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), vp, ok);
+                const KV* kp = ok ? kg + page * p.k_batch_stride + (int64_t)slot * ksr + ch * KEL : kg;
+                const KV* vp = ok ? vg + page * p.v_batch_stride + (int64_t)slot * vsr + ch * KEL : vg;
+                cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), kp, ok);
+                cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), vp, ok);
             }
             return;
         }
-        const T* kp = kg + (int64_t)key0 * ksr + ch * 8;
-        const T* vp = vg + (int64_t)key0 * vsr + ch * 8;
+        const KV* kp = kg + (int64_t)key0 * ksr + ch * KEL;
+        const KV* vp = vg + (int64_t)key0 * vsr + ch * KEL;
 #pragma unroll
-        for (int it = 0; it < BN * CPR / THREADS; ++it) {
-            const int row = row0 + it * (THREADS / CPR);
-            const bool ok = key0 + it * (THREADS / CPR) < sk && ch < dch;
-            const int64_t ko = (int64_t)it * (THREADS / CPR) * ksr;
-            const int64_t vo = (int64_t)it * (THREADS / CPR) * vsr;
-            cp_async16<PF>(smem_u32(sK + swz<D>(row, ch)), ok ? kp + ko : kg, ok);
-            cp_async16<PF>(smem_u32(sV + swz<D>(row, ch)), ok ? vp + vo : vg, ok);
+        for (int it = 0; it < BN * KCPR / THREADS; ++it) {
+            const int row = row0 + it * (THREADS / KCPR);
+            const bool ok = key0 + it * (THREADS / KCPR) < sk && ch < kdch;
+            const int64_t ko = (int64_t)it * (THREADS / KCPR) * ksr;
+            const int64_t vo = (int64_t)it * (THREADS / KCPR) * vsr;
+            cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), ok ? kp + ko : kg, ok);
+            cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), ok ? vp + vo : vg, ok);
         }
     };
 
-    // ---- prologue
+    // ---- prologue (F8 rings are deeper: their copies of `load_tile` unrolled spilled d128 on
+    // sm_80)
+    if constexpr (F8) {
+#pragma unroll 1
+        for (int s = 0; s < S - 1; ++s) {
+            if (t_begin + s < t_end) load_tile(t_begin + s, s);
+            cp_async_commit();
+        }
+    } else {
 #pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (t_begin + s < t_end) load_tile(t_begin + s, s);
-        cp_async_commit();
+        for (int s = 0; s < S - 1; ++s) {
+            if (t_begin + s < t_end) load_tile(t_begin + s, s);
+            cp_async_commit();
+        }
     }
     cp_async_wait<S - 1>();  // Q group landed
     __syncthreads();
@@ -579,7 +655,19 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_run[2] = {0.f, 0.f};
-    const float sl2 = fc::score_unit_log2(p.scale_log2, p.softcap);
+    // F8: the head's scales, read where used (cached loads; held across the loop they spilled
+    // the windowed d128 kernel). Scores are q . k_stored * |k scale| * p.scale: the K scale's
+    // sign and a zero scale go into the widened K (`e4m3x2_to`'s flip / keep; a zero scale
+    // zeroes K and keeps p.scale), its magnitude into the scale (`kmag`); the V scale multiplies
+    // 1 / L in the epilogue (`vscale`). The 16-bit kernels keep their own expressions
+    // (`F8 ? scaled : plain` below).
+    auto kscale = [&]() { return F8 ? __ldg(p.k_scales + kvh * p.kv_scale_stride) : 1.f; };
+    auto kmag = [&]() {
+        const float ks = kscale();
+        return ks == 0.f ? 1.f : fabsf(ks);  // NaN / inf stay NaN / inf: the reference's answer
+    };
+    auto vscale = [&]() { return F8 ? __ldg(p.v_scales + kvh * p.kv_scale_stride) : 1.f; };
+    const float sl2 = fc::score_unit_log2(F8 ? p.scale_log2 * kmag() : p.scale_log2, p.softcap);
 
     // ---- main loop over this split's tiles
     for (int t = t_begin; t < t_end; ++t) {
@@ -593,9 +681,35 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             cp_async_commit();
         }
         cp_async_wait<S - 1>();  // tile t landed (tiles t+1 .. t+S-1 may be pending)
-        __syncthreads();         // ... and is visible to all warps
+        if constexpr (F8) {
+            const int slot = it % S;
+            // Each thread widens the chunks of tile t it copied itself (visible to it after the
+            // wait; the rows of `load_tile`) into the single widened K / V tiles, which every
+            // warp finished reading before the barrier at the top of this iteration.
+            const unsigned char* rk = reinterpret_cast<const unsigned char*>(sKV) + slot * (2 * BN * D);
+            const unsigned char* rv = rk + BN * D;
+            const bool by_warp = whole_pages && warp_rows;
+            const int rf = by_warp ? warp * RW + lane / KCPR : tid / KCPR;
+            const int step = by_warp ? 32 / KCPR : THREADS / KCPR;
+            const int ch = tid % KCPR;
+            const float ks = kscale();
+            const uint32_t kflip = ks < 0.f ? 0x80008000u : 0u;
+            const uint32_t kkeep = ks == 0.f ? 0u : 0xFFFFFFFFu;
+#pragma unroll
+            for (int i = 0; i < BN * KCPR / THREADS; ++i) {
+                const int row = rf + i * step;
+                uint4 lo, hi;
+                e4m3x16_to<T>(*reinterpret_cast<const uint4*>(rk + row * D + ch * 16), lo, hi, kflip, kkeep);
+                *reinterpret_cast<uint4*>(sKw + swz<D>(row, 2 * ch)) = lo;
+                *reinterpret_cast<uint4*>(sKw + swz<D>(row, 2 * ch + 1)) = hi;
+                e4m3x16_to<T>(*reinterpret_cast<const uint4*>(rv + row * D + ch * 16), lo, hi, 0u, 0xFFFFFFFFu);
+                *reinterpret_cast<uint4*>(sKw + BN * D + swz<D>(row, 2 * ch)) = lo;
+                *reinterpret_cast<uint4*>(sKw + BN * D + swz<D>(row, 2 * ch + 1)) = hi;
+            }
+        }
+        __syncthreads();  // tile t (F8: widened) is visible to all warps
         const int slot = it % S;
-        const uint32_t sK_u = smem_u32(sKV + slot * (2 * BN * D));
+        const uint32_t sK_u = F8 ? smem_u32(sKw) : smem_u32(sKV + slot * (2 * BN * D));
         const uint32_t sV_u = sK_u + BN * D * 2;
         const bool need_mask = (t * BN < lo_all) || ((t + 1) * BN > hi_all);
 
@@ -622,7 +736,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 // hoisted and held across the key loop: d64 causal spilled 4 B on sm_80)
                 float c = p.softcap;
                 asm volatile("mov.b32 %0, %0;" : "+f"(c));
-                const float pre = __fdividef(p.scale, c);
+                const float pre = __fdividef(F8 ? p.scale * kmag() : p.scale, c);
 #pragma unroll
                 for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -630,12 +744,13 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             }
             if (p.alibi_slopes != nullptr) {  // before the mask, after softcap (bias in score units)
                 const int kb = t * BN + key0 + 2 * t4;
-                const float lo = fc::alibi_floor(p);
+                const float lo = F8 ? fc::alibi_floor_at(p, p.scale_log2 * kmag()) : fc::alibi_floor(p);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = min(r0 + wm * 16 + g8 + 8 * h, rows_total - 1);
                     const int hl = r / sq, i = r - hl * sq;
-                    const float sl = fc::alibi_slope_units(p, bb, kvh * p.h_ratio + hl);
+                    const float sl = F8 ? fc::alibi_slope_units_at(p, bb, kvh * p.h_ratio + hl, p.scale * kmag())
+                                        : fc::alibi_slope_units(p, bb, kvh * p.h_ratio + hl);
                     const int dg = i + sk - sq;
 #pragma unroll
                     for (int n = 0; n < 2; ++n)
@@ -718,7 +833,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
     __syncthreads();
 
-    const float scale = fc::score_unit(p.scale, p.softcap);
+    const float scale = fc::score_unit(F8 ? p.scale * kmag() : p.scale, p.softcap);
+    const float vsc = vscale();
     const int B = p.b;
     for (int item = tid; item < rows_here * CPR; item += THREADS) {
         const int rl = item / CPR, ch = item - rl * CPR;
@@ -731,7 +847,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             const float* ml = sML + ((mt * WN + w) * 16 + rr) * 2;
             L += ml[1] * ex2((ml[0] - Ms) * sl2);
         }
-        const float inv = L > 0.f ? 1.f / L : 0.f;
+        const float inv = L > 0.f ? (F8 ? vsc / L : 1.f / L) : 0.f;  // F8: the V scale, once
         float acc[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = 0.f;
@@ -920,6 +1036,14 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
     }                                                                                                   \
     constexpr FcKernelFacts fc_facts_##SYMBOL{                                                          \
         fc_decode::split_smem_bytes(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES), true, false, false, false, HEAD_DIM, 1};
+
+// The same with FP8 (e4m3) K/V and T queries / output (Variant::kv = E4m3).
+#define FC_SM80_DECODE_E4M3(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES)             \
+    extern "C" __global__ void __launch_bounds__((WARPS) * 32) SYMBOL(const __grid_constant__ FcParams p) { \
+        fc_decode::split_kernel<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, fc_decode::e4m3_t>(p); \
+    }                                                                                                   \
+    constexpr FcKernelFacts fc_facts_##SYMBOL{                                                          \
+        fc_decode::split_smem_bytes(HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 1), true, false, false, false, HEAD_DIM, 1};
 
 #define FC_SM80_COMBINE(SYMBOL, T, HEAD_DIM)                                                \
     extern "C" __global__ void __launch_bounds__(256) SYMBOL(const __grid_constant__ FcParams p) { \

@@ -19,7 +19,7 @@ use half::{bf16, f16};
 use params::FcParams;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use variants::{KDType, KKind, KMask, Variant};
+use variants::{KDType, KKind, KMask, KvType, Variant};
 
 static POISON: AtomicBool = AtomicBool::new(false);
 
@@ -535,18 +535,34 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
         _ => false,
     };
     let mut candidates: Vec<(&str, KKind)> = Vec::new();
-    // Few query rows against a key range: split-KV decode (memory bound; the sm80 family's
-    // mma.sync kernel serves every arch), on sm_90 also a few more over long keys
-    // (`decode_beats_starved_prefill`).
-    if p.sq <= variants::DECODE_MAX_SQ as usize
-        || (arch == Arch::Sm90 && decode_beats_starved_prefill(p, info.sm_count))
-    {
+    // FP8 K/V: the split-KV decode kernels only (op.rs sends everything else through the slow
+    // path first, `fp8::in_kernel`).
+    let kv = if p.kv_fp8 {
+        if p.sq > variants::DECODE_MAX_SQ as usize || !p.d.is_multiple_of(16) {
+            return Err(unsupported(format!(
+                "kv_scales: F8E4M3 k/v with seq_q {} and head_dim {} (the FP8 decode kernels take seq_q <= {} and head dims that are multiples of 16)",
+                p.sq,
+                p.d,
+                variants::DECODE_MAX_SQ
+            )));
+        }
         candidates.push(("sm80", KKind::Decode));
-    }
-    if arch == Arch::Sm90 {
-        candidates.push(("sm90", KKind::Fwd));
-    }
-    candidates.push(("sm80", KKind::Fwd));
+        KvType::E4m3
+    } else {
+        // Few query rows against a key range: split-KV decode (memory bound; the sm80 family's
+        // mma.sync kernel serves every arch), on sm_90 also a few more over long keys
+        // (`decode_beats_starved_prefill`).
+        if p.sq <= variants::DECODE_MAX_SQ as usize
+            || (arch == Arch::Sm90 && decode_beats_starved_prefill(p, info.sm_count))
+        {
+            candidates.push(("sm80", KKind::Decode));
+        }
+        if arch == Arch::Sm90 {
+            candidates.push(("sm90", KKind::Fwd));
+        }
+        candidates.push(("sm80", KKind::Fwd));
+        KvType::Same
+    };
     let splits = kv_splits(p, info.sm_count);
     // The sm90 window kernels take windows with a right bound (kernels/sm90/fwd.cuh `WINDOW`), and
     // only where the dynamic tile schedule applies: a windowed query tile walks a few key tiles, so
@@ -559,7 +575,7 @@ fn choose(p: &Problem, info: &DeviceInfo) -> Result<&'static Variant> {
     let mut missing = Vec::new();
     let mut too_big = Vec::new();
     for (family, kind) in candidates {
-        for v in variants::candidates(family, kind, dtype, d, mask) {
+        for v in variants::candidates(family, kind, dtype, kv, d, mask) {
             if skipped(v) {
                 continue;
             }
@@ -615,6 +631,22 @@ fn ptr<T: candle_core::cuda_backend::CudaDType>(
         p + (l.start_offset() * std::mem::size_of::<T>()) as u64,
         slice.len() - l.start_offset(),
     ))
+}
+
+/// Device address of F8E4M3 K/V storage at its layout's offset (one byte per element).
+fn fp8_ptr(
+    s: &CudaStorage,
+    l: &Layout,
+    name: &str,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+) -> Result<u64> {
+    match &s.slice {
+        candle_core::cuda_backend::CudaStorageSlice::F8E4M3(slice) => {
+            let (p, _guard) = slice.device_ptr(stream);
+            Ok(p + l.start_offset() as u64)
+        }
+        _ => candle_core::bail!("flashcore: internal: {name} is not F8E4M3 storage"),
+    }
 }
 
 fn alloc_out<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr>(
@@ -1039,22 +1071,61 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
     let shape = ShapeOf(p);
     let symbol = variants::symbol(variant);
     let stream = dev.cuda_stream();
-    for (name, l) in [("q", q.1), ("k", k.1), ("v", v.1)] {
+    // elements per 16-byte vector of k / v
+    let kv_vec = if p.kv_fp8 { 16 } else { 8 };
+    for (name, l, m) in [("q", q.1, 8), ("k", k.1, kv_vec), ("v", v.1, kv_vec)] {
         // The kernels load 16-byte vectors: op::run makes misaligned views contiguous first.
         let rank = l.dims().len();
-        if !l.start_offset().is_multiple_of(8)
-            || l.stride()[..rank - 1].iter().any(|s| !s.is_multiple_of(8))
+        if !l.start_offset().is_multiple_of(m)
+            || l.stride()[..rank - 1].iter().any(|s| !s.is_multiple_of(m))
         {
             return Err(launch::err(
                 &symbol,
                 &shape,
-                format!("{name}: offset and strides must be multiples of 8 elements, got offset {} strides {:?}", l.start_offset(), l.stride()),
+                format!("{name}: offset and strides must be multiples of {m} elements, got offset {} strides {:?}", l.start_offset(), l.stride()),
             ));
         }
     }
     let (qp, _) = ptr::<T>(q.0, q.1, &stream)?;
-    let (kp, _) = ptr::<T>(k.0, k.1, &stream)?;
-    let (vp, _) = ptr::<T>(v.0, v.1, &stream)?;
+    let (kp, vp) = if p.kv_fp8 {
+        (
+            fp8_ptr(k.0, k.1, "k", &stream)?,
+            fp8_ptr(v.0, v.1, "v", &stream)?,
+        )
+    } else {
+        (
+            ptr::<T>(k.0, k.1, &stream)?.0,
+            ptr::<T>(v.0, v.1, &stream)?.0,
+        )
+    };
+    // F8E4M3 K/V: their scales, both per head or both per tensor (a `(1,)` one beside a
+    // `(heads_kv,)` one is broadcast to it; the kernel takes one stride for both).
+    let _kv_scales = match &extra.kv_scales {
+        Some(s) if p.kv_fp8 => {
+            let per_head = |t: &Tensor| -> Result<Tensor> {
+                if t.dims() == [p.hkv] {
+                    Ok(t.clone())
+                } else {
+                    t.broadcast_as(p.hkv)?.contiguous()
+                }
+            };
+            Some(if s.k.dims() == s.v.dims() {
+                (s.k.clone(), s.v.clone())
+            } else {
+                (per_head(&s.k)?, per_head(&s.v)?)
+            })
+        }
+        None if !p.kv_fp8 => None,
+        _ => candle_core::bail!("flashcore: internal: F8E4M3 k/v without their scales [{shape}]"),
+    };
+    let (k_scales, v_scales, kv_scale_stride) = match &_kv_scales {
+        Some((ks, vs)) => (
+            side_ptr::<f32>(ks, "kv_scales.k", &stream)?,
+            side_ptr::<f32>(vs, "kv_scales.v", &stream)?,
+            i32::from(ks.dims() != [1]),
+        ),
+        None => (0, 0, 0),
+    };
     let (total_q, total_k) = p.totals();
     let paged = matches!(p.keys, Keys::Paged { .. });
     let n_out = total_q * p.hq * p.d;
@@ -1183,8 +1254,10 @@ fn run_typed<T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRep
         num_splits: 1,
         combine_checks: 0,
         split_budget: 0,
-        _pad: 0,
+        kv_scale_stride,
         tile_counter: 0,
+        k_scales,
+        v_scales,
     };
     // The check kernel reads the tables as the caller gave them (page table included).
     let check_prm = prm;
@@ -1712,17 +1785,35 @@ pub(crate) fn append_paged(
     let dev = pool.0.device.clone();
     let stream = dev.cuda_stream();
     let (pl, sl) = (pool.1, src.1);
-    if !pl.start_offset().is_multiple_of(8) || pl.stride()[..3].iter().any(|s| !s.is_multiple_of(8))
+    // The kernel moves 16-byte chunks of 16-bit elements: F8E4M3 rows move as rows of half as
+    // many 16-bit elements (strides and head dim halved), so they need multiples of 16.
+    use candle_core::backend::BackendStorage;
+    let e = if pool.0.dtype() == DType::F8E4M3 {
+        2
+    } else {
+        1
+    };
+    if e == 2 && !a.d.is_multiple_of(16) {
+        candle_core::bail!(
+            "flashcore: {name}: the GPU append into F8E4M3 pools needs a head_dim that is a multiple of 16, got {}",
+            a.d
+        )
+    }
+    if !pl.start_offset().is_multiple_of(8 * e)
+        || pl.stride()[..3].iter().any(|s| !s.is_multiple_of(8 * e))
     {
         candle_core::bail!(
-            "flashcore: {name}: the GPU append needs offset and strides that are multiples of 8 elements, got offset {} strides {:?}",
+            "flashcore: {name}: the GPU append needs offset and strides that are multiples of {} elements, got offset {} strides {:?}",
+            8 * e,
             pl.start_offset(),
             pl.stride()
         )
     }
     let rank = sl.dims().len();
-    if !sl.start_offset().is_multiple_of(8)
-        || sl.stride()[..rank - 1].iter().any(|s| !s.is_multiple_of(8))
+    if !sl.start_offset().is_multiple_of(8 * e)
+        || sl.stride()[..rank - 1]
+            .iter()
+            .any(|s| !s.is_multiple_of(8 * e))
     {
         return Err(launch::err(
             sym,
@@ -1741,8 +1832,11 @@ pub(crate) fn append_paged(
         (ss[0], ss[1], ss[2])
     };
     let ps = pl.stride();
-    use candle_core::backend::BackendStorage;
     let (dst, src_ptr) = match pool.0.dtype() {
+        DType::F8E4M3 => (
+            fp8_ptr(pool.0, pl, name, &stream)?,
+            fp8_ptr(src.0, sl, "new rows", &stream)?,
+        ),
         DType::BF16 => (
             ptr::<bf16>(pool.0, pl, &stream)?.0,
             ptr::<bf16>(src.0, sl, &stream)?.0,
@@ -1763,18 +1857,18 @@ pub(crate) fn append_paged(
     };
     let n_new = if a.cu_new.is_some() { 0 } else { a.total / a.b };
     let f = launch::function(&stream, "sm80", sym, 0, &shape)?;
-    let chunks = a.total * a.hkv * a.d / 8;
+    let chunks = a.total * a.hkv * a.d / e / 8;
     let sms = device_info(&dev)?.sm_count.max(1);
     let cfg = LaunchConfig {
         grid_dim: (chunks.div_ceil(256).clamp(1, sms * 16) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let i = |x: usize| x as i64;
+    let i = |x: usize| (x / e) as i64;
     let n32 = |x: usize| x as i32;
     let (sb, sr, sh) = (i(s_b), i(s_r), i(s_h));
     let (pp, pr, ph) = (i(ps[0]), i(ps[1]), i(ps[2]));
-    let (b, nn, total, hkv, d) = (n32(a.b), n32(n_new), n32(a.total), n32(a.hkv), n32(a.d));
+    let (b, nn, total, hkv, d) = (n32(a.b), n32(n_new), n32(a.total), n32(a.hkv), n32(a.d / e));
     let (psz, np, mp) = (n32(a.page_size), n32(a.num_pages), n32(a.max_pages));
     let mut lb = stream.launch_builder(&f);
     lb.arg(&src_ptr).arg(&dst).arg(&pt).arg(&pos).arg(&cu);

@@ -9,11 +9,13 @@ mod compiled {
 }
 pub use compiled::{fatbin, COMPILED};
 
-/// The variants of `family`/`kind` for this dtype, head dim and mask, in order of preference.
+/// The variants of `family`/`kind` for this dtype, K/V type, head dim and mask, in order of
+/// preference.
 pub fn candidates(
     family: &'static str,
     kind: KKind,
     dtype: KDType,
+    kv: KvType,
     head_dim: u32,
     mask: KMask,
 ) -> impl Iterator<Item = &'static Variant> {
@@ -21,6 +23,7 @@ pub fn candidates(
         v.family == family
             && v.kind == kind
             && v.dtype == dtype
+            && v.kv == kv
             && v.head_dim == head_dim
             && v.mask == mask
     })

@@ -1,0 +1,134 @@
+//! `--grid fp8decode`: paged decode over a bf16 KV cache against the same cache in FP8 (e4m3)
+//! with per-head scales. 32/8 heads, d128, pages of 64 in shuffled order, one query row, b1 / b8 /
+//! b64 x 4k / 8k / 16k / 32k keys. Per row: each run's time, GB/s on the bytes it reads (K and V
+//! of every cached key, q and o), the FP8 run's speed over the bf16 one, and the largest
+//! difference between the two outputs: the bf16 cache holds the FP8 cache's dequantized values
+//! rounded to bf16 (`stored * scale`), so the two compute the same attention up to bf16
+//! rounding. docs/decisions.md#fp8-keys-and-values-in-the-decode-kernel.
+
+use super::{json_num, time_call, Args};
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use flashcore::{AttnParams, KvScales};
+use serde_json::json;
+
+const HQ: usize = 32;
+const HKV: usize = 8;
+const D: usize = 128;
+const PAGE: usize = 64;
+/// Pages generated at once; a larger pool repeats them (the values do not change the timing).
+const BLOCK_PAGES: usize = 512;
+
+/// The two caches of `pages` pages: F8E4M3 pools and bf16 pools of their dequantized values.
+struct Caches {
+    k8: Tensor,
+    v8: Tensor,
+    k16: Tensor,
+    v16: Tensor,
+}
+
+fn caches(pages: usize, s: &KvScales, dev: &Device) -> Result<Caches> {
+    let n = pages.min(BLOCK_PAGES);
+    let block = |scale: &Tensor| -> Result<(Tensor, Tensor)> {
+        let x = Tensor::randn(0f32, 1., (n, PAGE, HKV, D), dev)?;
+        let q8 = (x.broadcast_div(&scale.reshape((HKV, 1))?)?).to_dtype(DType::F8E4M3)?;
+        let wide = q8
+            .to_dtype(DType::F32)?
+            .broadcast_mul(&scale.reshape((HKV, 1))?)?
+            .to_dtype(DType::BF16)?;
+        Ok((q8, wide))
+    };
+    let fill = |t: &Tensor| -> Result<Tensor> {
+        let reps = pages.div_ceil(n);
+        let all = Tensor::cat(&vec![t.clone(); reps], 0)?;
+        Ok(all.narrow(0, 0, pages)?.contiguous()?)
+    };
+    let (k8, k16) = block(&s.k)?;
+    let (v8, v16) = block(&s.v)?;
+    Ok(Caches {
+        k8: fill(&k8)?,
+        v8: fill(&v8)?,
+        k16: fill(&k16)?,
+        v16: fill(&v16)?,
+    })
+}
+
+/// A page table `(b, sk / PAGE)` over `b * sk / PAGE` pages in a seeded shuffled order.
+fn table(b: usize, sk: usize, dev: &Device) -> Result<Tensor> {
+    let mp = sk / PAGE;
+    let mut perm: Vec<u32> = (0..(b * mp) as u32).collect();
+    let mut x = 0x9E37_79B9u64;
+    for i in (1..perm.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        perm.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    Ok(Tensor::from_vec(perm, (b, mp), dev)?)
+}
+
+/// Runs the grid, printing one line (or JSON object) per problem.
+pub fn grid(args: &Args, dev: &Device) -> Result<()> {
+    if !dev.is_cuda() {
+        anyhow::bail!("--grid fp8decode needs a CUDA device (the CPU path has no FP8 kernel)");
+    }
+    if !args.json {
+        println!(
+            "device: {:?}, q bf16, K/V bf16 vs FP8 e4m3 (per-head scales), timing {}",
+            dev.location(),
+            args.timing
+        );
+    }
+    let s = KvScales {
+        k: Tensor::rand(0.5f32, 1.5, HKV, dev)?,
+        v: Tensor::rand(0.5f32, 1.5, HKV, dev)?,
+    };
+    let p16 = AttnParams::default();
+    let p8 = AttnParams {
+        kv_scales: Some(s.clone()),
+        ..Default::default()
+    };
+    for b in [1usize, 8, 64] {
+        for sk in [4096usize, 8192, 16384, 32768] {
+            let c = caches(b * sk / PAGE, &s, dev)?;
+            let pt = table(b, sk, dev)?;
+            let lens = Tensor::new(vec![sk as u32; b].as_slice(), dev)?;
+            let q = Tensor::randn(0f32, 1., (b, 1, HQ, D), dev)?.to_dtype(DType::BF16)?;
+            let run16 = || flashcore::attention_paged(&q, &c.k16, &c.v16, &pt, &lens, &p16);
+            let run8 = || flashcore::attention_paged(&q, &c.k8, &c.v8, &pt, &lens, &p8);
+            let t16 = time_call(args, dev, |_| Ok(run16().map(|_| ())?))??;
+            let t8 = time_call(args, dev, |_| Ok(run8().map(|_| ())?))??;
+            let (o16, o8) = (run16()?, run8()?);
+            let diff = (o16.to_dtype(DType::F32)? - o8.to_dtype(DType::F32)?)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            let mag = o16
+                .to_dtype(DType::F32)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            let qo = (2 * b * HQ * D * 2) as f64;
+            let kv = (2 * b * sk * HKV * D) as f64;
+            let (gb16, gb8) = ((qo + 2.0 * kv) / t16 / 1e3, (qo + kv) / t8 / 1e3);
+            let row = json!({
+                "grid": "fp8decode", "b": b, "hq": HQ, "hkv": HKV, "sq": 1,
+                "sk": sk, "d": D, "page": PAGE, "us_bf16": json_num(t16), "us_fp8": json_num(t8),
+                "gbps_bf16": json_num(gb16), "gbps_fp8": json_num(gb8),
+                "speedup": json_num(t16 / t8), "max_diff": json_num(diff as f64),
+                "max_out": json_num(mag as f64), "timing": args.timing,
+            });
+            if args.json {
+                println!("{row}");
+            } else {
+                println!(
+                    "b{b:<2} s{sk:<5} d{D} h{HQ}/{HKV} page {PAGE}: bf16 {t16:8.1} us {gb16:7.1} GB/s | fp8 {t8:8.1} us {gb8:7.1} GB/s | fp8 {:.2}x | max |o8 - o16| {diff:.2e} (|o| <= {mag:.2})",
+                    t16 / t8
+                );
+            }
+        }
+    }
+    Ok(())
+}

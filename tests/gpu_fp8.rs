@@ -1,0 +1,377 @@
+//! GPU tests of FP8 (e4m3) keys and values (feature `cuda`; every test skips itself, saying so,
+//! without a CUDA device, or fails with FLASHCORE_REQUIRE_GPU=1): the split-KV decode kernels
+//! reading F8E4M3 pools and dense K/V with per-head and per-tensor scales, the slow path
+//! (dequantized pages, then the 16-bit kernels) for prefill-sized queries, and the GPU append
+//! into F8E4M3 pools.
+//!
+//! Truth: the CPU path on the same F8E4M3 tensors with an f32 q (it dequantizes K/V to f32 and
+//! runs the f32 path), so the GPU is judged on the dequantized values themselves. Tolerance: the
+//! kernels round P to q's dtype as the 16-bit kernels do, so the error is that of a bf16 / f16
+//! decode: at most `rel` of the reference's largest output plus a rounding floor. Each decode
+//! case also runs with a V scale 1.5x too large and requires that to fail the same check (the
+//! check can fail). Outputs are poisoned (NaN) before every kernel; pool rows no sequence owns
+//! hold NaN bytes, so a read past a sequence or through a wrong page shows.
+//! FLASHCORE_TEST_ARCH=sm80|sm90 forces a kernel family for the slow path's prefill kernels.
+#![cfg(feature = "cuda")]
+
+mod common;
+#[path = "common/gpu.rs"]
+mod common_gpu;
+
+use candle_core::{DType, Device, Result, Tensor};
+use common::*;
+use common_gpu::{arch_under_test, gpu};
+use flashcore::{AttnParams, KvScales, Mask};
+
+/// Keys per sequence of the paged decode batches.
+const LENS: [usize; 5] = [0, 1, 113, 1023, 4224];
+
+/// Relative tolerance (of the reference's largest output) for q's dtype.
+fn rel(dtype: DType) -> f64 {
+    match dtype {
+        DType::BF16 => 1.5e-2,
+        _ => 4e-3,
+    }
+}
+
+/// Scales on the CPU: per head (`n = hkv`) or per tensor (`n = 1`), in [0.05, 1.55).
+fn scales(n: usize, salt: f32) -> Result<Tensor> {
+    let v: Vec<f32> = (0..n)
+        .map(|h| 0.05 + ((h as f32 * 0.37 + salt) % 1.0) * 1.5)
+        .collect();
+    Tensor::new(v.as_slice(), &Device::Cpu)
+}
+
+/// F8E4M3 paged pools on the CPU for sequences of `lens` keys: pages handed out in a shuffled
+/// order, one spare table column and three spare pages, every pool row no sequence owns (the
+/// spare pages and each last page's tail) NaN.
+struct Pools {
+    k: Tensor,
+    v: Tensor,
+    table: Tensor,
+    lens: Tensor,
+}
+
+fn pools(rng: &mut Rng, lens: &[usize], page: usize, hkv: usize, d: usize) -> Result<Pools> {
+    let cpu = Device::Cpu;
+    let need: Vec<usize> = lens.iter().map(|l| l.div_ceil(page)).collect();
+    let max_pages = need.iter().copied().max().unwrap_or(0) + 1;
+    let num_pages = need.iter().sum::<usize>() + 3;
+    let mut order: Vec<u32> = (0..num_pages as u32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let mut table = vec![0u32; lens.len() * max_pages];
+    let mut owned = vec![0u8; num_pages * page];
+    let mut next = 0;
+    for (i, (&len, &n)) in lens.iter().zip(&need).enumerate() {
+        for j in 0..max_pages {
+            // columns past the sequence's pages: any page (they must not be read)
+            table[i * max_pages + j] = order[if j < n {
+                next + j
+            } else {
+                rng.below(num_pages)
+            }];
+        }
+        for r in 0..len {
+            owned[table[i * max_pages + r / page] as usize * page + r % page] = 1;
+        }
+        next += n;
+    }
+    let owned = Tensor::from_vec(owned, (num_pages, page, 1, 1), &cpu)?
+        .broadcast_as((num_pages, page, hkv, d))?;
+    let nan = Tensor::full(f32::NAN, (num_pages, page, hkv, d), &cpu)?;
+    let pool = || -> Result<Tensor> {
+        let x = Tensor::randn(0f32, 3., (num_pages, page, hkv, d), &cpu)?;
+        owned.where_cond(&x, &nan)?.to_dtype(DType::F8E4M3)
+    };
+    let lens32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+    Ok(Pools {
+        k: pool()?,
+        v: pool()?,
+        table: Tensor::from_vec(table, (lens.len(), max_pages), &cpu)?,
+        lens: Tensor::new(lens32.as_slice(), &cpu)?,
+    })
+}
+
+fn scales_on(s: &KvScales, dev: &Device) -> Result<KvScales> {
+    Ok(KvScales {
+        k: s.k.to_device(dev)?,
+        v: s.v.to_device(dev)?,
+    })
+}
+
+/// One paged decode case: GPU (q in `dtype`) against the CPU truth (q in f32, same pools), then
+/// the same GPU call with a V scale 1.5x too large, which must fail the check. Returns the
+/// error relative to the bound.
+#[allow(clippy::too_many_arguments)]
+fn paged_case(
+    dev: &Device,
+    pl: &Pools,
+    q: &Tensor,
+    s: &KvScales,
+    p: &AttnParams,
+    dtype: DType,
+    tag: &str,
+) -> Result<f64> {
+    let cpu = Device::Cpu;
+    let q32 = q.to_dtype(dtype)?.to_dtype(DType::F32)?;
+    let pc = AttnParams {
+        kv_scales: Some(s.clone()),
+        ..params_on(p, &cpu)?
+    };
+    let (want, want_lse) =
+        flashcore::attention_paged_with_lse(&q32, &pl.k, &pl.v, &pl.table, &pl.lens, &pc)?;
+    let on = |t: &Tensor| t.to_device(dev);
+    let (kg, vg, tg, lg) = (on(&pl.k)?, on(&pl.v)?, on(&pl.table)?, on(&pl.lens)?);
+    let qg = q.to_dtype(dtype)?.to_device(dev)?;
+    let run = |sc: &KvScales| {
+        let pg = AttnParams {
+            kv_scales: Some(scales_on(sc, dev)?),
+            ..params_on(p, dev)?
+        };
+        flashcore::attention_paged_with_lse(&qg, &kg, &vg, &tg, &lg, &pg)
+    };
+    let (o, lse) = run(s)?;
+    assert_eq!(o.dtype(), dtype, "{tag}");
+    let mag = max_abs(&want)?;
+    let bound = rel(dtype) * mag + rounding_floor(dtype, mag);
+    let err = max_abs_diff(&o, &want)?;
+    assert!(
+        err <= bound,
+        "{tag}: max error {err:.3e} > {bound:.3e} (outputs up to {mag:.3})"
+    );
+    let le = lse_err(&lse, &want_lse)?;
+    assert!(le <= 2e-3, "{tag}: LSE error {le:.3e}");
+    if mag > 1e-3 {
+        let wrong = KvScales {
+            k: s.k.clone(),
+            v: (&s.v * 1.5)?,
+        };
+        let (ow, _) = run(&wrong)?;
+        let ew = max_abs_diff(&ow, &want)?;
+        assert!(
+            ew > bound,
+            "{tag}: a V scale 1.5x too large passed the check ({ew:.3e} <= {bound:.3e})"
+        );
+    }
+    Ok(err / bound)
+}
+
+/// Paged decode over F8E4M3 pools: sequences of 0 / 1 / 113 / 1023 / 4224 keys in one batch,
+/// shuffled page tables, GQA 1 / 4 / 8, head dims 64 / 128 / 256, no mask / causal / window,
+/// one and four query rows, per-head and per-tensor scales, sinks, pages of 64 and 16, bf16
+/// and f16.
+#[test]
+fn fp8_paged_decode_matches_the_dequantized_reference() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let mut rng = Rng::from_clock("fp8_paged_decode");
+    let masks = [
+        Mask::None,
+        Mask::Causal,
+        Mask::Window {
+            left: Some(100),
+            right: Some(0),
+        },
+    ];
+    let (mut cases, mut worst) = (0, 0f64);
+    for (ratio, hkv) in [(1usize, 4usize), (4, 2), (8, 1)] {
+        for d in [64usize, 128, 256] {
+            for (mi, &mask) in masks.iter().enumerate() {
+                for sq in [1usize, 4] {
+                    let i = cases;
+                    let dtype = if i % 2 == 0 { DType::BF16 } else { DType::F16 };
+                    let page = if i % 3 == 2 { 16 } else { 64 };
+                    let per_head = i % 2 == 1 || hkv == 1;
+                    let hq = ratio * hkv;
+                    let pl = pools(&mut rng, &LENS, page, hkv, d)?;
+                    let n = if per_head { hkv } else { 1 };
+                    let s = KvScales {
+                        k: scales(n, 0.1 + mi as f32 * 0.2)?,
+                        v: scales(n, 0.6)?,
+                    };
+                    let q = Tensor::randn(0f32, 1., (LENS.len(), sq, hq, d), &Device::Cpu)?;
+                    let p = AttnParams {
+                        mask,
+                        sinks: (i % 3 == 0).then(|| test_sinks(hq, &dev)).transpose()?,
+                        ..Default::default()
+                    };
+                    let tag = format!(
+                        "{dtype:?} d{d} hq{hq}/hkv{hkv} sq{sq} page{page} {} scales {} sinks {}",
+                        mask_name(mask),
+                        if per_head { "per head" } else { "per tensor" },
+                        p.sinks.is_some()
+                    );
+                    let r = paged_case(&dev, &pl, &q, &s, &p, dtype, &tag)?;
+                    worst = worst.max(r);
+                    cases += 1;
+                }
+            }
+        }
+    }
+    println!("{cases} FP8 paged decode cases, worst error {worst:.2} of the bound");
+    Ok(())
+}
+
+/// Scales of every sign: a negative K scale (its sign goes into the widened keys), a zero K
+/// scale (zero keys: uniform weights), a negative V scale, and one head with all three normal.
+#[test]
+fn fp8_decode_scales_of_every_sign() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let mut rng = Rng::from_clock("fp8_scale_signs");
+    let (hkv, hq, d) = (4, 16, 128);
+    let s = KvScales {
+        k: Tensor::new(&[-0.7f32, 0.0, 0.3, 1.1], &Device::Cpu)?,
+        v: Tensor::new(&[0.5f32, -0.9, 0.0, 1.3], &Device::Cpu)?,
+    };
+    for mask in [Mask::None, Mask::Causal] {
+        let pl = pools(&mut rng, &[700, 64, 5], 64, hkv, d)?;
+        let q = Tensor::randn(0f32, 1., (3, 2, hq, d), &Device::Cpu)?;
+        let p = AttnParams {
+            mask,
+            ..Default::default()
+        };
+        paged_case(&dev, &pl, &q, &s, &p, DType::BF16, &mask_name(mask))?;
+    }
+    Ok(())
+}
+
+/// Dense decode over F8E4M3 K/V (`attention`, `attention_varlen` with one query row per
+/// sequence) and the slow path of prefill-sized queries: dense prefill, and chunked prefill
+/// over an F8E4M3 paged cache (`attention_paged_varlen`, the sequences' pages dequantized,
+/// then the 16-bit kernels), each against the CPU on the same tensors.
+#[test]
+fn fp8_dense_decode_and_slow_paths() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let cpu = Device::Cpu;
+    let mut rng = Rng::from_clock("fp8_dense_and_slow");
+    let (hq, hkv, d) = (8, 2, 128);
+    let s = KvScales {
+        k: scales(hkv, 0.2)?,
+        v: scales(1, 0.7)?,
+    };
+    let check = |tag: &str, got: &Tensor, want: &Tensor, dtype: DType| -> Result<()> {
+        let mag = max_abs(want)?;
+        let bound = rel(dtype) * mag + rounding_floor(dtype, mag);
+        let err = max_abs_diff(got, want)?;
+        assert!(err <= bound, "{tag}: max error {err:.3e} > {bound:.3e}");
+        println!("{tag}: error {err:.3e} (bound {bound:.3e})");
+        Ok(())
+    };
+    for dtype in [DType::BF16, DType::F16] {
+        for (sq, mask) in [(1usize, Mask::None), (3, Mask::Causal), (200, Mask::Causal)] {
+            // dense: 3 sequences of 777 keys
+            let q = Tensor::randn(0f32, 1., (3, sq, hq, d), &cpu)?.to_dtype(dtype)?;
+            let kv = || Tensor::randn(0f32, 3., (3, 777, hkv, d), &cpu)?.to_dtype(DType::F8E4M3);
+            let (k, v) = (kv()?, kv()?);
+            let pc = AttnParams {
+                mask,
+                kv_scales: Some(s.clone()),
+                ..Default::default()
+            };
+            let want = flashcore::attention(&q.to_dtype(DType::F32)?, &k, &v, &pc)?;
+            let pg = AttnParams {
+                kv_scales: Some(scales_on(&s, &dev)?),
+                ..pc.clone()
+            };
+            let on = |t: &Tensor| t.to_device(&dev);
+            let got = flashcore::attention(&on(&q)?, &on(&k)?, &on(&v)?, &pg)?;
+            check(&format!("dense {dtype:?} sq{sq}"), &got, &want, dtype)?;
+        }
+        // chunked prefill: 37 / 1 / 200 new rows over 300 / 64 / 4224 cached keys
+        let lens = [300usize, 64, 4224];
+        let rows = [37usize, 1, 200];
+        let pl = pools(&mut rng, &lens, 64, hkv, d)?;
+        let cu = prefix_sums(rows);
+        let total = *cu.last().unwrap() as usize;
+        let q = Tensor::randn(0f32, 1., (total, hq, d), &cpu)?.to_dtype(dtype)?;
+        let cu_c = Tensor::new(cu.as_slice(), &cpu)?;
+        let pc = AttnParams {
+            mask: Mask::Causal,
+            kv_scales: Some(s.clone()),
+            ..Default::default()
+        };
+        let want = flashcore::attention_paged_varlen(
+            &q.to_dtype(DType::F32)?,
+            &pl.k,
+            &pl.v,
+            &pl.table,
+            &pl.lens,
+            &cu_c,
+            200,
+            &pc,
+        )?;
+        let pg = AttnParams {
+            kv_scales: Some(scales_on(&s, &dev)?),
+            ..pc.clone()
+        };
+        let on = |t: &Tensor| t.to_device(&dev);
+        let got = flashcore::attention_paged_varlen(
+            &on(&q)?,
+            &on(&pl.k)?,
+            &on(&pl.v)?,
+            &on(&pl.table)?,
+            &on(&pl.lens)?,
+            &on(&cu_c)?,
+            200,
+            &pg,
+        )?;
+        check(&format!("chunked prefill {dtype:?}"), &got, &want, dtype)?;
+    }
+    Ok(())
+}
+
+/// `append_kv_paged_fp8` on the GPU stores the bytes the CPU stores (saturation included), and
+/// a decode reads them back.
+#[test]
+fn fp8_append_on_the_gpu_matches_the_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let cpu = Device::Cpu;
+    let (hkv, d, page, b) = (2usize, 64usize, 16usize, 3usize);
+    let max_pages = 4;
+    let num_pages = b * max_pages;
+    let table: Vec<u32> = (0..num_pages as u32).rev().collect();
+    let table = Tensor::from_vec(table, (b, max_pages), &cpu)?;
+    let pos = Tensor::new(&[0u32, 5, 31], &cpu)?;
+    let s = KvScales {
+        k: scales(hkv, 0.4)?,
+        v: scales(hkv, 0.9)?,
+    };
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        // N(0, 100) / scale: some values past ±448, which saturate
+        let kn = Tensor::randn(0f32, 100., (b, 20, hkv, d), &cpu)?.to_dtype(dtype)?;
+        let vn = Tensor::randn(0f32, 100., (b, 20, hkv, d), &cpu)?.to_dtype(dtype)?;
+        let zeros = || Tensor::zeros((num_pages, page, hkv, d), DType::F8E4M3, &cpu);
+        let (kc, vc) = (zeros()?, zeros()?);
+        flashcore::append_kv_paged_fp8(&kn, &vn, &kc, &vc, &table, &pos, &s)?;
+        let on = |t: &Tensor| t.to_device(&dev);
+        let (kg, vg) = (on(&zeros()?)?, on(&zeros()?)?);
+        let sg = scales_on(&s, &dev)?;
+        flashcore::append_kv_paged_fp8(
+            &on(&kn)?,
+            &on(&vn)?,
+            &kg,
+            &vg,
+            &on(&table)?,
+            &on(&pos)?,
+            &sg,
+        )?;
+        let f32_of = |t: &Tensor| t.to_device(&cpu)?.to_dtype(DType::F32);
+        assert_eq!(
+            max_abs_diff(&f32_of(&kg)?, &f32_of(&kc)?)?,
+            0.0,
+            "{dtype:?} k"
+        );
+        assert_eq!(
+            max_abs_diff(&f32_of(&vg)?, &f32_of(&vc)?)?,
+            0.0,
+            "{dtype:?} v"
+        );
+        assert_eq!(max_abs(&f32_of(&kg)?)?, 448.0, "{dtype:?}: saturation");
+    }
+    Ok(())
+}
