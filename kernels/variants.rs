@@ -366,8 +366,14 @@ pub const FAMILIES: &[Family] = &[
     Family {
         name: "sm80",
         // util: the poisoning fills; seqlens: the varlen / paged check kernel
-        // (fc_check_seqlens); paged: the paged cache's append and gather kernels.
-        headers: &["common/util.cuh", "common/seqlens.cuh", "common/paged.cuh"],
+        // (fc_check_seqlens); paged: the paged cache's append and gather kernels; fp8: the e4m3
+        // quantize / widen / copy conversions.
+        headers: &[
+            "common/util.cuh",
+            "common/seqlens.cuh",
+            "common/paged.cuh",
+            "common/fp8.cuh",
+        ],
         gencode: &[
             "arch=compute_80,code=sm_80",
             "arch=compute_86,code=sm_86",

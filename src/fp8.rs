@@ -65,16 +65,27 @@ fn check_scale(name: &str, s: &Tensor, hkv: usize, kv: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// `x` `(..., hkv, d)` in F8E4M3 read as f32: `stored * scale[head]`.
-pub(crate) fn dequantize(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
+/// `x` `(..., hkv, d)` in F8E4M3 read as `stored * scale[head]` (in f32), rounded to `dtype`.
+/// On a GPU flashcore's own kernel does it (`cuda::fp8`): bf16, f16 or f32.
+pub(crate) fn dequantize(x: &Tensor, scale: &Tensor, dtype: DType) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::cuda::fp8::widen(x, scale, dtype);
+    }
     let n = scale.dim(0)?;
     x.to_dtype(DType::F32)?
-        .broadcast_mul(&scale.reshape((n, 1))?)
+        .broadcast_mul(&scale.reshape((n, 1))?)?
+        .to_dtype(dtype)
 }
 
 /// `x` `(..., hkv, d)` (f16, bf16, f32 or f64) stored as F8E4M3: `x / scale[head]`, saturated to
-/// ±448, rounded to e4m3. NaN stays NaN (e4m3 has no infinity: ±inf saturate to ±448).
+/// ±448, rounded to e4m3. NaN stays NaN (e4m3 has no infinity: ±inf saturate to ±448). On a
+/// GPU flashcore's own kernel does it (`cuda::fp8`; bf16, f16 or f32 `x`).
 pub(crate) fn quantize(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::cuda::fp8::quantize(x, scale);
+    }
     let n = scale.dim(0)?;
     let x = x.to_dtype(DType::F32)?;
     let y = x.broadcast_div(&scale.reshape((n, 1))?)?;
@@ -83,6 +94,45 @@ pub(crate) fn quantize(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
     let nan = x.ne(&x)?;
     let y = nan.where_cond(&x, &y)?;
     y.to_dtype(DType::F8E4M3)
+}
+
+/// [`quantize_e4m3`]'s checks, then [`quantize`].
+pub(crate) fn quantize_public(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    if x.rank() < 2 {
+        return Err(bad(
+            "x",
+            "must be (..., heads, head_dim)",
+            format!("{:?}", x.dims()),
+        ));
+    }
+    if x.dtype() == DType::F8E4M3 {
+        return Err(bad("x", "is already F8E4M3", "F8E4M3"));
+    }
+    check_scale("scale", scale, x.dim(x.rank() - 2)?, x)?;
+    quantize(x, scale)
+}
+
+/// [`dequantize_e4m3`]'s checks, then [`dequantize`].
+pub(crate) fn dequantize_public(x: &Tensor, scale: &Tensor, dtype: DType) -> Result<Tensor> {
+    if x.rank() < 2 {
+        return Err(bad(
+            "x",
+            "must be (..., heads, head_dim)",
+            format!("{:?}", x.dims()),
+        ));
+    }
+    if x.dtype() != DType::F8E4M3 {
+        return Err(bad("x", "dtype must be F8E4M3", format!("{:?}", x.dtype())));
+    }
+    if !dtype.is_float() || dtype == DType::F8E4M3 {
+        return Err(bad(
+            "dtype",
+            "must be a wider float type",
+            format!("{dtype:?}"),
+        ));
+    }
+    check_scale("scale", scale, x.dim(x.rank() - 2)?, x)?;
+    dequantize(x, scale, dtype)
 }
 
 /// The K/V form a call reads, after checking that `k`, `v` and `params.kv_scales` agree:
@@ -192,8 +242,8 @@ pub(crate) fn widened(
     };
     Ok((
         q.to_dtype(wide)?,
-        dequantize(k, &scales.k)?.to_dtype(wide)?,
-        dequantize(v, &scales.v)?.to_dtype(wide)?,
+        dequantize(k, &scales.k, wide)?,
+        dequantize(v, &scales.v, wide)?,
         p,
     ))
 }

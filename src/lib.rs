@@ -362,6 +362,21 @@ pub fn append_kv_paged_varlen(
     )
 }
 
+/// `x` `(..., heads, head_dim)` (f16, bf16, f32 or f64; on a GPU bf16, f16 or f32) stored as
+/// F8E4M3: `x / scale[h]` for head `h`, saturated to ±[`E4M3_MAX`] and rounded to e4m3 (NaN
+/// stays NaN). `scale`: f32 `(heads,)` or `(1,)` on `x`'s device. This is how the FP8 appends
+/// store rows, for K/V kept as dense tensors; on a GPU it runs flashcore's own kernel (candle
+/// 0.11 cannot cast to or from F8E4M3 there).
+pub fn quantize_e4m3(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    fp8::quantize_public(x, scale)
+}
+
+/// F8E4M3 `x` `(..., heads, head_dim)` read back as `stored * scale[h]` in `dtype` (one
+/// rounding; on a GPU bf16, f16 or f32), the inverse of [`quantize_e4m3`] up to e4m3's rounding.
+pub fn dequantize_e4m3(x: &Tensor, scale: &Tensor, dtype: candle_core::DType) -> Result<Tensor> {
+    fp8::dequantize_public(x, scale, dtype)
+}
+
 /// [`append_kv_paged`] into F8E4M3 pools (an FP8 KV cache): each new row `x` (f16, bf16, f32 or
 /// f64) of K/V head `h` is stored as `x / scale[h]` saturated to ±[`E4M3_MAX`] and rounded to
 /// e4m3 (NaN stays NaN); attention reads it back with the same [`KvScales`] in

@@ -403,6 +403,11 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
         && (!l.start_offset().is_multiple_of(m)
             || l.stride()[..rank - 1].iter().any(|s| !s.is_multiple_of(m)))
     {
+        #[cfg(feature = "cuda")]
+        if t.dtype() == DType::F8E4M3 {
+            // candle has no strided F8E4M3 copy on CUDA
+            return crate::cuda::fp8::contiguous(t);
+        }
         t.contiguous()
     } else {
         Ok(t.clone())
@@ -704,7 +709,7 @@ fn paged_fp8_widened(
             .iter()
             .map(|&p| pool.narrow(0, p, 1))
             .collect::<Result<Vec<_>>>()?;
-        crate::fp8::dequantize(&Tensor::cat(&parts, 0)?, scale)?.to_dtype(q.dtype())
+        crate::fp8::dequantize(&Tensor::cat(&parts, 0)?, scale, q.dtype())
     };
     let (k, v) = (widen(kv.k_pages, &scales.k)?, widen(kv.v_pages, &scales.v)?);
     let page_table = Tensor::from_vec(renumbered, kv.page_table.shape(), q.device())?;

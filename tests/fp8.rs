@@ -391,3 +391,43 @@ fn fp8_kv_accuracy() -> Result<()> {
     }
     Ok(())
 }
+
+/// The public conversions on the CPU: a round trip within e4m3's rounding (3 mantissa bits:
+/// relative error at most 2^-4 of the stored value), saturation at ±448 times the scale, and
+/// errors that name the argument.
+#[test]
+fn quantize_and_dequantize_e4m3() -> Result<()> {
+    let cpu = Device::Cpu;
+    let s = Tensor::new(&[0.5f32, 2.0], &cpu)?;
+    let x = Tensor::randn(0f32, 50., (3, 7, 2, 16), &cpu)?;
+    let q = flashcore::quantize_e4m3(&x, &s)?;
+    assert_eq!(q.dtype(), DType::F8E4M3);
+    let back = flashcore::dequantize_e4m3(&q, &s, DType::F32)?;
+    let (xv, bv) = (
+        x.flatten_all()?.to_vec1::<f32>()?,
+        back.flatten_all()?.to_vec1::<f32>()?,
+    );
+    for (i, (a, b)) in xv.iter().zip(&bv).enumerate() {
+        let cap = 448.0 * if (i / 16) % 2 == 0 { 0.5 } else { 2.0 };
+        let want = a.clamp(-cap, cap);
+        // normal e4m3 values: half an ulp is 2^-4 relative; subnormals: 2^-10 absolute
+        let scale = cap / 448.0;
+        assert!(
+            (b - want).abs() <= want.abs() / 16.0 + scale * 2f32.powi(-10),
+            "element {i}: {a} -> {b}"
+        );
+    }
+    let err = |r: Result<Tensor>| r.unwrap_err().to_string();
+    let e = err(flashcore::quantize_e4m3(
+        &x,
+        &Tensor::new(&[1f32, 1., 1.], &cpu)?,
+    ));
+    assert!(e.contains("scale") && e.contains("(2,)"), "{e}");
+    let e = err(flashcore::quantize_e4m3(&q, &s));
+    assert!(e.contains("x") && e.contains("F8E4M3"), "{e}");
+    let e = err(flashcore::dequantize_e4m3(&x, &s, DType::F32));
+    assert!(e.contains("x: dtype must be F8E4M3"), "{e}");
+    let e = err(flashcore::dequantize_e4m3(&q, &s, DType::U8));
+    assert!(e.contains("dtype"), "{e}");
+    Ok(())
+}

@@ -375,3 +375,103 @@ fn fp8_append_on_the_gpu_matches_the_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// `quantize_e4m3` / `dequantize_e4m3` on the GPU (flashcore's kernels) against the CPU (candle's
+/// casts): bit-identical e4m3 bytes for bf16 / f16 / f32 inputs given as strided views, with
+/// values past ±448 (saturated), infinities and NaN; identical widened values in every dtype;
+/// and a dense decode over a misaligned F8E4M3 view (copied by the e4m3 copy kernel first).
+#[test]
+fn fp8_conversions_match_the_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let cpu = Device::Cpu;
+    let (hkv, d) = (4usize, 48usize);
+    for per_head in [true, false] {
+        let s = scales(if per_head { hkv } else { 1 }, 0.3)?;
+        let sg = s.to_device(&dev)?;
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            // (3, 5, hkv, d) read through a transpose: a strided view on both devices
+            let mut x = Tensor::randn(0f32, 200., (3, hkv, 5, d), &cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            x[7] = f32::NAN;
+            x[100] = f32::INFINITY;
+            x[201] = f32::NEG_INFINITY;
+            let x = Tensor::from_vec(x, (3, hkv, 5, d), &cpu)?.to_dtype(dtype)?;
+            let xc = x.transpose(1, 2)?;
+            let xg = x.to_device(&dev)?.transpose(1, 2)?;
+            let qc = flashcore::quantize_e4m3(&xc, &s)?;
+            let qg = flashcore::quantize_e4m3(&xg, &sg)?;
+            assert_eq!(qg.dtype(), DType::F8E4M3);
+            let bits = |t: &Tensor| -> Result<Vec<f32>> {
+                t.to_device(&cpu)?
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()
+            };
+            let (bc, bg) = (bits(&qc)?, bits(&qg)?);
+            let same = bc
+                .iter()
+                .zip(&bg)
+                .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+            assert!(
+                same,
+                "{dtype:?} per_head {per_head}: GPU e4m3 bytes differ from the CPU's"
+            );
+            assert_eq!(
+                bg.iter().filter(|v| v.is_nan()).count(),
+                1,
+                "{dtype:?}: NaN kept"
+            );
+            assert_eq!(
+                bg.iter().filter(|v| v.abs() == 448.0).count(),
+                bc.iter().filter(|v| v.abs() == 448.0).count()
+            );
+            assert!(bg.iter().any(|v| v.abs() == 448.0), "{dtype:?}: saturation");
+            // widen the GPU bytes on both devices (through a strided view again; heads stay
+            // the second-to-last dim)
+            let wc = flashcore::dequantize_e4m3(&qg.to_device(&cpu)?.transpose(0, 1)?, &s, dtype)?;
+            let wg = flashcore::dequantize_e4m3(&qg.transpose(0, 1)?, &sg, dtype)?;
+            assert_eq!(wg.dtype(), dtype);
+            let (vc, vg) = (bits(&wc)?, bits(&wg)?);
+            let same = vc
+                .iter()
+                .zip(&vg)
+                .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+            assert!(same, "{dtype:?} per_head {per_head}: widened values differ");
+        }
+    }
+    // a misaligned F8E4M3 view (offset 8 bytes into each row): copied, then decoded
+    let (hq, sk) = (8usize, 300usize);
+    let s = KvScales {
+        k: scales(hkv, 0.1)?,
+        v: scales(hkv, 0.6)?,
+    };
+    let wide = |seed: f32| -> Result<Tensor> {
+        (Tensor::randn(0f32, 2., (2, sk, hkv, 64 + 8), &cpu)? + seed as f64)?
+            .to_dtype(DType::F8E4M3)
+    };
+    let (kw, vw) = (wide(0.0)?, wide(0.5)?);
+    let (k, v) = (kw.narrow(3, 8, 64)?, vw.narrow(3, 8, 64)?);
+    let q = Tensor::randn(0f32, 1., (2, 1, hq, 64), &cpu)?.to_dtype(DType::BF16)?;
+    let pc = AttnParams {
+        kv_scales: Some(s.clone()),
+        ..Default::default()
+    };
+    let want = flashcore::attention(&q.to_dtype(DType::F32)?, &k, &v, &pc)?;
+    let pg = AttnParams {
+        kv_scales: Some(scales_on(&s, &dev)?),
+        ..Default::default()
+    };
+    let on = |t: &Tensor| t.to_device(&dev);
+    let (kg, vg) = (on(&kw)?.narrow(3, 8, 64)?, on(&vw)?.narrow(3, 8, 64)?);
+    let got = flashcore::attention(&on(&q)?, &kg, &vg, &pg)?;
+    let mag = max_abs(&want)?;
+    let bound = rel(DType::BF16) * mag + rounding_floor(DType::BF16, mag);
+    let err = max_abs_diff(&got, &want)?;
+    assert!(
+        err <= bound,
+        "misaligned F8E4M3 view: max error {err:.3e} > {bound:.3e}"
+    );
+    Ok(())
+}

@@ -119,6 +119,10 @@ pub struct Summary {
     pub preemptions: usize,
     pub pool_peak: Option<f64>,
     pub pool_mean: Option<f64>,
+    /// Sequences decoding in one step (one row each): the most and the median over all steps
+    /// with decode rows; with a K/V budget that binds, the sequences the pool keeps resident.
+    pub decode_rows_peak: usize,
+    pub decode_rows_p50: Option<f64>,
     /// Decode-only steps: how many, median time, median floor, median floor/time.
     pub decode_steps: usize,
     pub decode_step_ms: Option<f64>,
@@ -153,6 +157,12 @@ impl Summary {
             .steps
             .iter()
             .filter(|s| s.prefill_tokens == 0 && s.decode_tokens > 0)
+            .collect();
+        let rows: Vec<f64> = r
+            .steps
+            .iter()
+            .filter(|s| s.decode_tokens > 0)
+            .map(|s| s.decode_tokens as f64)
             .collect();
         let times: Vec<f64> = decode.iter().map(|s| s.seconds * 1e3).collect();
         let hosts: Vec<f64> = decode.iter().map(|s| s.host * 1e3).collect();
@@ -207,6 +217,8 @@ impl Summary {
             preemptions: r.preemptions,
             pool_peak,
             pool_mean,
+            decode_rows_peak: rows.iter().fold(0.0, |a: f64, &b| a.max(b)) as usize,
+            decode_rows_p50: percentile(&rows, 50.0),
             decode_steps: decode.len(),
             decode_step_ms: percentile(&times, 50.0),
             decode_host_ms: percentile(&hosts, 50.0),
@@ -231,7 +243,7 @@ impl Summary {
         };
         let trio = |a: &[Option<f64>; 3]| format!("[{},{},{}]", o(a[0]), o(a[1]), o(a[2]));
         format!(
-            "{{\"mode\":\"{}\",\"requests\":{},\"prompt_tokens\":{},\"new_tokens\":{},\"wall_s\":{:.4},\"output_tok_s\":{:.3},\"total_tok_s\":{:.3},\"ttft_ms_p50_p90_p99\":{},\"itl_ms_p50_p90_p99\":{},\"latency_s_p50_p90_p99\":{},\"steps\":{},\"preemptions\":{},\"pool_peak\":{},\"pool_mean\":{},\"decode_steps\":{},\"decode_step_ms_p50\":{},\"decode_host_ms_p50\":{},\"decode_floor_ms_p50\":{},\"decode_bw_frac_p50\":{},\"agree_requests\":{},\"agree_identical\":{},\"agree_token_frac\":{}}}",
+            "{{\"mode\":\"{}\",\"requests\":{},\"prompt_tokens\":{},\"new_tokens\":{},\"wall_s\":{:.4},\"output_tok_s\":{:.3},\"total_tok_s\":{:.3},\"ttft_ms_p50_p90_p99\":{},\"itl_ms_p50_p90_p99\":{},\"latency_s_p50_p90_p99\":{},\"steps\":{},\"preemptions\":{},\"pool_peak\":{},\"pool_mean\":{},\"decode_rows_peak\":{},\"decode_rows_p50\":{},\"decode_steps\":{},\"decode_step_ms_p50\":{},\"decode_host_ms_p50\":{},\"decode_floor_ms_p50\":{},\"decode_bw_frac_p50\":{},\"agree_requests\":{},\"agree_identical\":{},\"agree_token_frac\":{}}}",
             self.mode,
             self.requests,
             self.prompt_tokens,
@@ -246,6 +258,8 @@ impl Summary {
             self.preemptions,
             o(self.pool_peak),
             o(self.pool_mean),
+            self.decode_rows_peak,
+            o(self.decode_rows_p50),
             self.decode_steps,
             o(self.decode_step_ms),
             o(self.decode_host_ms),
@@ -305,14 +319,16 @@ pub fn print_summary(
         );
         if let (Some(peak), Some(mean)) = (s.pool_peak, s.pool_mean) {
             eprintln!(
-                "[{}]   pool {} pages x {} rows: peak {:.0}%, mean {:.0}% in use; {} preemptions; {} steps",
+                "[{}]   pool {} pages x {} rows: peak {:.0}%, mean {:.0}% in use; {} preemptions; {} steps; sequences decoding per step: peak {}, median {}",
                 s.mode,
                 r.pool_pages,
                 r.page_size,
                 peak * 100.0,
                 mean * 100.0,
                 s.preemptions,
-                s.steps
+                s.steps,
+                s.decode_rows_peak,
+                f(s.decode_rows_p50, 0)
             );
         }
         if s.decode_steps > 0 {

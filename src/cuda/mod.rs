@@ -2,6 +2,7 @@
 //! variant table ([`variants`]), and launches it on candle's stream (`launch`).
 
 pub mod arch;
+pub(crate) mod fp8;
 mod launch;
 pub mod params;
 mod tma;

@@ -31,9 +31,11 @@ pub fn qkv(
     Ok((q, k, v))
 }
 
+/// Largest |a - b|, computed on the CPU (either may live on a GPU).
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a = a.to_dtype(DType::F64)?;
-    let b = b.to_dtype(DType::F64)?;
+    let cpu = candle_core::Device::Cpu;
+    let a = a.to_device(&cpu)?.to_dtype(DType::F64)?;
+    let b = b.to_device(&cpu)?.to_dtype(DType::F64)?;
     let d = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
     Ok(d)
 }
