@@ -3,7 +3,7 @@
 # OUT_DIR/fc_<family>.cu) against the kernels/ of two git revisions and compares, per kernel
 # symbol, the cubin's .text section (the SASS bytes) and its register / shared-memory facts.
 # Identical .text means identical speed, so a pure restructuring of kernels/ can be shown
-# neutral here (docs/decisions.md#same-sass).
+# neutral here (docs/decisions.md#same-machine-code-shown-without-a-gpu).
 #
 #   scripts/same-sass.sh REV_A REV_B FAMILY [SYMBOL_REGEX]
 #     REV_A / REV_B: git revisions, or "." for the working tree.
