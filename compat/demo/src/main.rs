@@ -760,64 +760,68 @@ fn main() -> Result<()> {
     let std = 0.02;
     let (p, g, nl) = (args.prompt, args.gen, args.layers);
     let mut reports = Vec::new();
+    let mut failed: Vec<(String, String)> = Vec::new();
     for name in &args.models {
         if !args.cpu {
             dev.set_seed(args.seed)?;
         }
         let w = RandomWeights::new(&dev, std);
         let t0 = Instant::now();
-        let report = match name.as_str() {
-            "llama" => {
-                let lc = llama_cfg(nl)?;
-                let prompt = prompt_ids(p, lc.vocab_size, args.seed);
-                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
-                for flash in [true, false] {
-                    let cfg = lc.clone().into_config(flash);
-                    let model = llama::Llama::load(var_builder(&w, dtype, &dev), &cfg)?;
-                    let cache = llama::Cache::new(true, dtype, &cfg, &dev)?;
-                    let m = Llama {
-                        model,
-                        cfg,
-                        cache,
-                        dtype,
-                        dev: dev.clone(),
+        // One model's failure (a model file's own bug, say) is reported and the others still run.
+        let result = (|| -> Result<Report> {
+            Ok(match name.as_str() {
+                "llama" => {
+                    let lc = llama_cfg(nl)?;
+                    let prompt = prompt_ids(p, lc.vocab_size, args.seed);
+                    let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                    for flash in [true, false] {
+                        let cfg = lc.clone().into_config(flash);
+                        let model = llama::Llama::load(var_builder(&w, dtype, &dev), &cfg)?;
+                        let cache = llama::Cache::new(true, dtype, &cfg, &dev)?;
+                        let m = Llama {
+                            model,
+                            cfg,
+                            cache,
+                            dtype,
+                            dev: dev.clone(),
+                        };
+                        ms.push(Box::new(m));
+                    }
+                    let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                    let what = format!("Llama-3-8B, {nl} layers, 32/8 heads (GQA), d128");
+                    compare("llama", &what, dt, &runs, here, "")
+                }
+                "mistral" | "mistral-sw32" => {
+                    let sw = if name == "mistral" { 4096 } else { 32 };
+                    let prompt = prompt_ids(p, 32000, args.seed);
+                    let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                    for flash in [true, false] {
+                        let cfg = mistral_cfg(nl, flash, sw);
+                        let m = mistral::Model::new(&cfg, var_builder(&w, dtype, &dev))?;
+                        ms.push(Box::new(Mistral(m)));
+                    }
+                    let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                    let what = format!(
+                        "Mistral-7B-v0.1, {nl} layers, 32/8 heads, d128, sliding_window {sw}"
+                    );
+                    let note = if sw < p {
+                        "candle-transformers' mistral passes only `causal` to flash_attn (no window) while its eager prefill masks the window: the difference is the model code's, not the kernel's"
+                    } else {
+                        "window longer than the prompt: both paths are plain causal"
                     };
-                    ms.push(Box::new(m));
+                    compare(name, &what, dt, &runs, here, note)
                 }
-                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
-                let what = format!("Llama-3-8B, {nl} layers, 32/8 heads (GQA), d128");
-                compare("llama", &what, dt, &runs, here, "")
-            }
-            "mistral" | "mistral-sw32" => {
-                let sw = if name == "mistral" { 4096 } else { 32 };
-                let prompt = prompt_ids(p, 32000, args.seed);
-                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
-                for flash in [true, false] {
-                    let cfg = mistral_cfg(nl, flash, sw);
-                    let m = mistral::Model::new(&cfg, var_builder(&w, dtype, &dev))?;
-                    ms.push(Box::new(Mistral(m)));
-                }
-                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
-                let what =
-                    format!("Mistral-7B-v0.1, {nl} layers, 32/8 heads, d128, sliding_window {sw}");
-                let note = if sw < p {
-                    "candle-transformers' mistral passes only `causal` to flash_attn (no window) while its eager prefill masks the window: the difference is the model code's, not the kernel's"
-                } else {
-                    "window longer than the prompt: both paths are plain causal"
-                };
-                compare(name, &what, dt, &runs, here, note)
-            }
-            "gemma2" => {
-                let cfg = gemma2_cfg(nl)?;
-                let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
-                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
-                for flash in [true, false] {
-                    let m = gemma2::Model::new(flash, &cfg, var_builder(&w, dtype, &dev))?;
-                    ms.push(Box::new(Gemma2(m)));
-                }
-                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
-                let what = format!("Gemma-2-9B, {nl} layers, 16/8 heads, d256, softcap 50");
-                compare(
+                "gemma2" => {
+                    let cfg = gemma2_cfg(nl)?;
+                    let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
+                    let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                    for flash in [true, false] {
+                        let m = gemma2::Model::new(flash, &cfg, var_builder(&w, dtype, &dev))?;
+                        ms.push(Box::new(Gemma2(m)));
+                    }
+                    let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                    let what = format!("Gemma-2-9B, {nl} layers, 16/8 heads, d256, softcap 50");
+                    compare(
                     "gemma2",
                     &what,
                     dt,
@@ -825,70 +829,72 @@ fn main() -> Result<()> {
                     here,
                     "candle-transformers' gemma2 calls flash_attn without the attention softcap (eager applies it)",
                 )
-            }
-            "gemma" => {
-                let cfg = gemma_cfg(nl)?;
-                let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
-                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
-                for flash in [true, false] {
-                    let m = gemma::Model::new(flash, &cfg, var_builder(&w, dtype, &dev))?;
-                    ms.push(Box::new(Gemma(m)));
                 }
-                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
-                let what = format!("Gemma-7B, {nl} layers, 16 heads, d256");
-                compare("gemma", &what, dt, &runs, here, "")
-            }
-            "granite" => {
-                let gc = granite_cfg(nl)?;
-                let prompt = prompt_ids(p, gc.vocab_size, args.seed);
-                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
-                for flash in [true, false] {
-                    let cfg = gc.clone().into_config(flash);
-                    let model = granite::Granite::load(var_builder(&w, dtype, &dev), &cfg)?;
-                    let cache = granite::Cache::new(true, dtype, &cfg, &dev)?;
-                    ms.push(Box::new(Granite {
-                        model,
-                        cfg,
-                        cache,
-                        dtype,
-                        dev: dev.clone(),
-                    }));
-                }
-                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
-                let what = format!("Granite-3.x-8B, {nl} layers, 32/8 heads, d128");
-                compare("granite", &what, dt, &runs, here, "")
-            }
-            "mixtral" | "stable_lm" => {
-                let vocab = if name == "mixtral" { 32000 } else { 50304 };
-                let prompt = prompt_ids(p, vocab, args.seed);
-                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
-                for flash in [true, false] {
-                    let (w, dev) = (w.clone(), dev.clone());
-                    if name == "mixtral" {
-                        let cfg = mixtral_cfg(nl, flash)?;
-                        let make = move || -> Result<mixtral::Model> {
-                            Ok(mixtral::Model::new(&cfg, var_builder(&w, dtype, &dev))?)
-                        };
-                        ms.push(Box::new(Rebuilt::new(Box::new(make), |m, x, p| {
-                            m.forward(x, p)
-                        })?));
-                    } else {
-                        let cfg = stable_lm_cfg(nl, flash)?;
-                        let make = move || -> Result<stable_lm::Model> {
-                            Ok(stable_lm::Model::new(&cfg, var_builder(&w, dtype, &dev))?)
-                        };
-                        ms.push(Box::new(Rebuilt::new(Box::new(make), |m, x, p| {
-                            m.forward(x, p)
-                        })?));
+                "gemma" => {
+                    let cfg = gemma_cfg(nl)?;
+                    let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
+                    let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                    for flash in [true, false] {
+                        let m = gemma::Model::new(flash, &cfg, var_builder(&w, dtype, &dev))?;
+                        ms.push(Box::new(Gemma(m)));
                     }
+                    let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                    let what = format!("Gemma-7B, {nl} layers, 16 heads, d256");
+                    compare("gemma", &what, dt, &runs, here, "")
                 }
-                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
-                let what = if name == "mixtral" {
-                    format!("Mixtral-8x7B, {nl} layers, 8 experts (2 per token), 32/8 heads, d128")
-                } else {
-                    format!("StableLM-3B-4E1T, {nl} layers, 32 heads, d80")
-                };
-                compare(
+                "granite" => {
+                    let gc = granite_cfg(nl)?;
+                    let prompt = prompt_ids(p, gc.vocab_size, args.seed);
+                    let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                    for flash in [true, false] {
+                        let cfg = gc.clone().into_config(flash);
+                        let model = granite::Granite::load(var_builder(&w, dtype, &dev), &cfg)?;
+                        let cache = granite::Cache::new(true, dtype, &cfg, &dev)?;
+                        ms.push(Box::new(Granite {
+                            model,
+                            cfg,
+                            cache,
+                            dtype,
+                            dev: dev.clone(),
+                        }));
+                    }
+                    let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                    let what = format!("Granite-3.x-8B, {nl} layers, 32/8 heads, d128");
+                    compare("granite", &what, dt, &runs, here, "")
+                }
+                "mixtral" | "stable_lm" => {
+                    let vocab = if name == "mixtral" { 32000 } else { 50304 };
+                    let prompt = prompt_ids(p, vocab, args.seed);
+                    let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                    for flash in [true, false] {
+                        let (w, dev) = (w.clone(), dev.clone());
+                        if name == "mixtral" {
+                            let cfg = mixtral_cfg(nl, flash)?;
+                            let make = move || -> Result<mixtral::Model> {
+                                Ok(mixtral::Model::new(&cfg, var_builder(&w, dtype, &dev))?)
+                            };
+                            ms.push(Box::new(Rebuilt::new(Box::new(make), |m, x, p| {
+                                m.forward(x, p)
+                            })?));
+                        } else {
+                            let cfg = stable_lm_cfg(nl, flash)?;
+                            let make = move || -> Result<stable_lm::Model> {
+                                Ok(stable_lm::Model::new(&cfg, var_builder(&w, dtype, &dev))?)
+                            };
+                            ms.push(Box::new(Rebuilt::new(Box::new(make), |m, x, p| {
+                                m.forward(x, p)
+                            })?));
+                        }
+                    }
+                    let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                    let what = if name == "mixtral" {
+                        format!(
+                            "Mixtral-8x7B, {nl} layers, 8 experts (2 per token), 32/8 heads, d128"
+                        )
+                    } else {
+                        format!("StableLM-3B-4E1T, {nl} layers, 32 heads, d80")
+                    };
+                    compare(
                     name,
                     &what,
                     dt,
@@ -896,80 +902,81 @@ fn main() -> Result<()> {
                     here,
                     "no KV-cache reset in the model: rebuilt from the same weights before each run (untimed)",
                 )
-            }
-            "helium" => {
-                let prompt = prompt_ids(p, 48000, args.seed);
-                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
-                for flash in [true, false] {
-                    // kyutai/helium-1-preview-2b (candle's config_2b)
-                    let mut cfg = helium::Config::config_2b(flash);
-                    cfg.num_hidden_layers = nl;
-                    let m = helium::Model::new(&cfg, var_builder(&w, dtype, &dev))?;
-                    ms.push(Box::new(Helium(m)));
                 }
-                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
-                let what = format!("Helium-1-preview-2B, {nl} layers, 20 heads, d128");
-                compare("helium", &what, dt, &runs, here, "")
-            }
-            "gemma3" => {
-                // candle-transformers 0.11.1's gemma3 cannot run its global layers (every sixth):
-                // their KvCache::append slice-sets a non-contiguous V (the transposed v_proj
-                // output) and fails before attention, flash or eager. So at most the five
-                // sliding layers before the first global one.
-                let nl = nl.min(5);
-                let cfg = gemma3_cfg(nl)?;
-                let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
-                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
-                for flash in [true, false] {
-                    let m = gemma3::Model::new(flash, &cfg, var_builder(&w, dtype, &dev))?;
-                    ms.push(Box::new(Gemma3(m)));
+                "helium" => {
+                    let prompt = prompt_ids(p, 48000, args.seed);
+                    let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                    for flash in [true, false] {
+                        // kyutai/helium-1-preview-2b (candle's config_2b)
+                        let mut cfg = helium::Config::config_2b(flash);
+                        cfg.num_hidden_layers = nl;
+                        let m = helium::Model::new(&cfg, var_builder(&w, dtype, &dev))?;
+                        ms.push(Box::new(Helium(m)));
+                    }
+                    let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                    let what = format!("Helium-1-preview-2B, {nl} layers, 20 heads, d128");
+                    compare("helium", &what, dt, &runs, here, "")
                 }
-                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
-                let what = format!(
+                "gemma3" => {
+                    // candle-transformers 0.11.1's gemma3 cannot run its global layers (every sixth):
+                    // their KvCache::append slice-sets a non-contiguous V (the transposed v_proj
+                    // output) and fails before attention, flash or eager. So at most the five
+                    // sliding layers before the first global one.
+                    let nl = nl.min(5);
+                    let cfg = gemma3_cfg(nl)?;
+                    let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
+                    let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                    for flash in [true, false] {
+                        let m = gemma3::Model::new(flash, &cfg, var_builder(&w, dtype, &dev))?;
+                        ms.push(Box::new(Gemma3(m)));
+                    }
+                    let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                    let what = format!(
                     "Gemma-3-4B, {nl} sliding layers (the model's global layers fail in its KV cache), 8/4 heads, d256, sliding_window 1024"
                 );
-                let note = if p > 1024 {
-                    "prompt longer than the window: candle-transformers' gemma3 passes only `causal` to flash_attn on its sliding layers while its eager path masks the window, so the two differ by the model code"
-                } else {
-                    "window longer than the prompt: sliding and global layers are plain causal on both paths"
-                };
-                compare("gemma3", &what, dt, &runs, here, note)
-            }
-            "gemma4" => {
-                let prompt = prompt_ids(p, 262144, args.seed);
-                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
-                for flash in [true, false] {
-                    let cfg = gemma4_cfg(nl, flash)?;
-                    let m = gemma4::text::TextModel::new(&cfg, var_builder(&w, dtype, &dev))?;
-                    ms.push(Box::new(Gemma4(m)));
+                    let note = if p > 1024 {
+                        "prompt longer than the window: candle-transformers' gemma3 passes only `causal` to flash_attn on its sliding layers while its eager path masks the window, so the two differ by the model code"
+                    } else {
+                        "window longer than the prompt: sliding and global layers are plain causal on both paths"
+                    };
+                    compare("gemma3", &what, dt, &runs, here, note)
                 }
-                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
-                let kinds = gemma4_layer_types(nl);
-                let global = kinds.iter().filter(|k| **k == "full_attention").count();
-                let what = format!(
+                "gemma4" => {
+                    let prompt = prompt_ids(p, 262144, args.seed);
+                    let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                    for flash in [true, false] {
+                        let cfg = gemma4_cfg(nl, flash)?;
+                        let m = gemma4::text::TextModel::new(&cfg, var_builder(&w, dtype, &dev))?;
+                        ms.push(Box::new(Gemma4(m)));
+                    }
+                    let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                    let kinds = gemma4_layer_types(nl);
+                    let global = kinds.iter().filter(|k| **k == "full_attention").count();
+                    let what = format!(
                     "Gemma-4-31B, {nl} layers: {} sliding (32/16 heads, d256, window 1024) + {global} global (32/4 heads, d512)",
                     nl - global
                 );
-                let mut note = String::from(
+                    let mut note = String::from(
                     "global layers at d512 run the drop-in's slow path on a GPU (candle ops; flashcore's kernels stop at 256)",
                 );
-                if p > 1024 {
-                    note.push_str("; prompt longer than the window: the model passes only `causal` to flash_attn on its sliding layers while its eager path masks the window");
+                    if p > 1024 {
+                        note.push_str("; prompt longer than the window: the model passes only `causal` to flash_attn on its sliding layers while its eager path masks the window");
+                    }
+                    compare("gemma4", &what, dt, &runs, here, &note)
                 }
-                compare("gemma4", &what, dt, &runs, here, &note)
-            }
-            "phi3" => {
-                let gguf = phi3_gguf(nl, &w)?;
-                let prompt = prompt_ids(p, 32064, args.seed);
-                let mut ms: Vec<Box<dyn Lm>> = Vec::new();
-                for flash in [true, false] {
-                    let m = phi3_model(&gguf, flash, &dev)?;
-                    ms.push(Box::new(m));
-                }
-                let runs = pair(ms, &prompt, g, args.reps, &dev)?;
-                let what =
-                    format!("Phi-3-mini-4k (quantized_phi3, f16 GGUF), {nl} layers, 32 heads, d96");
-                compare(
+                "phi3" => {
+                    let gguf = phi3_gguf(nl, &w)?;
+                    let prompt = prompt_ids(p, 32064, args.seed);
+                    let mut ms: Vec<Box<dyn Lm>> = Vec::new();
+                    for flash in [true, false] {
+                        let m = phi3_model(&gguf, flash, &dev)?;
+                        ms.push(Box::new(m));
+                    }
+                    let runs = pair(ms, &prompt, g, args.reps, &dev)?;
+                    let what = format!(
+                        "Phi-3-mini-4k (quantized_phi3, f16 GGUF), {nl} layers, 32 heads, d96"
+                    );
+                    compare(
                     "phi3",
                     &what,
                     "f32 (flash path casts q/k/v to bf16)",
@@ -977,40 +984,40 @@ fn main() -> Result<()> {
                     here,
                     "phi3.rs has no flash path; quantized_phi3.rs is candle-transformers' Phi-3 with use_flash_attn",
                 )
-            }
-            "qwen2" => {
-                // qwen2.rs never calls candle_flash_attn: eager only.
-                let cfg = qwen2_cfg(nl)?;
-                let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
-                let m = qwen2::ModelForCausalLM::new(&cfg, var_builder(&w, dtype, &dev))?;
-                let r = run(&mut Qwen2(m), &prompt, g, args.reps, &dev)?;
-                let json = json!({
-                    "model": "qwen2",
-                    "config": format!("Qwen2-7B, {nl} layers, 28/4 heads, d128"),
-                    "dtype": dt,
-                    "flash": null,
-                    "eager_prefill_tok_s": r.prefill_tok_s,
-                    "eager_decode_tok_s": r.decode_tok_s,
-                    "note": "candle-transformers 0.11.1 qwen2.rs has no flash-attn path (no use_flash_attn); see qwen3",
-                });
-                let row = format!(
-                    "| qwen2 (no flash path) | - | - | - | - | {:.0} | - | - | {:.1} | - |",
-                    r.prefill_tok_s, r.decode_tok_s
-                );
-                Report { json, row }
-            }
-            "qwen3" => {
-                // With the flash-attn feature, qwen3.rs always takes flash_attn on a GPU and its
-                // matmul path on the CPU: the eager reference runs on the CPU in f32.
-                let cfg = qwen3_cfg(nl)?;
-                let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
-                let m = qwen3::ModelForCausalLM::new(&cfg, var_builder(&w, dtype, &dev))?;
-                let flash = run(&mut Qwen3(m), &prompt, g, args.reps, &dev)?;
-                let cpu = Device::Cpu;
-                let m = qwen3::ModelForCausalLM::new(&cfg, var_builder(&w, DType::F32, &cpu))?;
-                let eager = run(&mut Qwen3(m), &prompt, g, 1, &cpu)?; // the CPU: one run
-                let what = format!("Qwen3-1.7B, {nl} layers, 16/8 heads, d128");
-                compare(
+                }
+                "qwen2" => {
+                    // qwen2.rs never calls candle_flash_attn: eager only.
+                    let cfg = qwen2_cfg(nl)?;
+                    let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
+                    let m = qwen2::ModelForCausalLM::new(&cfg, var_builder(&w, dtype, &dev))?;
+                    let r = run(&mut Qwen2(m), &prompt, g, args.reps, &dev)?;
+                    let json = json!({
+                        "model": "qwen2",
+                        "config": format!("Qwen2-7B, {nl} layers, 28/4 heads, d128"),
+                        "dtype": dt,
+                        "flash": null,
+                        "eager_prefill_tok_s": r.prefill_tok_s,
+                        "eager_decode_tok_s": r.decode_tok_s,
+                        "note": "candle-transformers 0.11.1 qwen2.rs has no flash-attn path (no use_flash_attn); see qwen3",
+                    });
+                    let row = format!(
+                        "| qwen2 (no flash path) | - | - | - | - | {:.0} | - | - | {:.1} | - |",
+                        r.prefill_tok_s, r.decode_tok_s
+                    );
+                    Report { json, row }
+                }
+                "qwen3" => {
+                    // With the flash-attn feature, qwen3.rs always takes flash_attn on a GPU and its
+                    // matmul path on the CPU: the eager reference runs on the CPU in f32.
+                    let cfg = qwen3_cfg(nl)?;
+                    let prompt = prompt_ids(p, cfg.vocab_size, args.seed);
+                    let m = qwen3::ModelForCausalLM::new(&cfg, var_builder(&w, dtype, &dev))?;
+                    let flash = run(&mut Qwen3(m), &prompt, g, args.reps, &dev)?;
+                    let cpu = Device::Cpu;
+                    let m = qwen3::ModelForCausalLM::new(&cfg, var_builder(&w, DType::F32, &cpu))?;
+                    let eager = run(&mut Qwen3(m), &prompt, g, 1, &cpu)?; // the CPU: one run
+                    let what = format!("Qwen3-1.7B, {nl} layers, 16/8 heads, d128");
+                    compare(
                     "qwen3",
                     &what,
                     "bf16 (flash, GPU) vs f32 (eager, CPU)",
@@ -1022,8 +1029,18 @@ fn main() -> Result<()> {
                     "cpu-f32",
                     "qwen3.rs has no use_flash_attn switch: flash on GPU whenever the feature is on; the diff includes bf16 vs f32 rounding, eager tok/s is the CPU's",
                 )
+                }
+                other => bail!("unknown model {other} (one of {DEMO_MODELS})"),
+            })
+        })();
+        let report = match result {
+            Ok(r) => r,
+            Err(e) => {
+                let msg = format!("{e}").lines().next().unwrap_or("").to_string();
+                println!("{}", json!({"model": name, "error": msg}));
+                failed.push((name.clone(), msg));
+                continue;
             }
-            other => bail!("unknown model {other} (one of {DEMO_MODELS})"),
         };
         let mut json = report.json;
         json["seconds"] = json!(t0.elapsed().as_secs_f64());
@@ -1047,6 +1064,8 @@ fn main() -> Result<()> {
     for (file, entry, why) in COVERAGE {
         let ran = if entry.is_empty() {
             format!("no: {why}")
+        } else if let Some((_, e)) = failed.iter().find(|(m, _)| m == entry) {
+            format!("failed: {e}")
         } else if args.models.iter().any(|m| m == entry) {
             "yes".to_string()
         } else {
@@ -1054,6 +1073,9 @@ fn main() -> Result<()> {
         };
         let entry = if entry.is_empty() { "-" } else { entry };
         println!("| {file} | {entry} | {ran} |");
+    }
+    if !failed.is_empty() {
+        bail!("{} model(s) failed: {:?}", failed.len(), failed);
     }
     Ok(())
 }
