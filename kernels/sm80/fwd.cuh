@@ -40,83 +40,25 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "common/params.h"
+#include "common/ptx.cuh"
+#include "common/mask.cuh"
+#include "common/variants.cuh"
 #include "common/softmax.cuh"
 #include "common/smem.cuh"
 #include "common/seqlens.cuh"
 
 namespace fc_sm80 {
 
-template <typename T> struct Elem;
-template <> struct Elem<__nv_bfloat16> {
-    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    // lo -> bits [15:0], hi -> bits [31:16]
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        uint32_t r;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-};
-template <> struct Elem<__half> {
-    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        uint32_t r;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-};
-
-__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-// 16-byte global -> shared copy; src_bytes = 0 zero-fills the destination (ragged tails).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-// threadIdx.x through a volatile read: values derived from it are recomputed, not kept live.
-__device__ __forceinline__ int tid_remat() {
-    uint32_t x;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
-    return (int)x;
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] tile of 16-bit
-// elements: physical chunk = chunk ^ (row & 7) (only the low 3 bits of the chunk index change).
-template <int D>
-__device__ __forceinline__ uint32_t swz(int row, int chunk) {
-    return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
-}
+// (the shared PTX helpers and dtype traits: common/ptx.cuh)
+using fc::cp_async_commit;
+using fc::cp_async_wait_all;
+using fc::cp_async16;
+using fc::Elem;
+using fc::launder32;
+using fc::ldsm_x4;
+using fc::ldsm_x4_trans;
+using fc::smem_addr;
+using fc::tid_remat;
 
 // Narrow head dims (the FWD_NARROW body, fwd_narrow): Q.K^T runs only the k16 steps that
 // hold columns below p.d, and P.V only the 16-column pairs of O below it, so a d96 head on the
@@ -156,7 +98,7 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
     int64_t step;
     asm volatile("mov.b64 %0, %1;" : "=l"(step) : "l"((int64_t)ROWS_PER_PASS * stride));
     const T* src = g + (int64_t)r0 * stride + ch * 8;
-    uint32_t dst = s + swz<D>(r0, ch);
+    uint32_t dst = s + fc::swz_bytes<D>(r0, ch);
     // ONE_REM: row r0 + i * ROWS_PER_PASS is valid when i * ROWS_PER_PASS < rem, one live
     // register and compares against immediates (a row index per pass kept 16 registers live
     // across the key loop of the 128-key pair tile).
@@ -168,7 +110,7 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
             const bool ok = (ONE_REM ? i * ROWS_PER_PASS < rem : r < valid) && ch < dch;
             // (r & 7) changes between passes only when ROWS_PER_PASS % 8 != 0
             const uint32_t d = (ROWS_PER_PASS % 8 == 0) ? dst + i * ROWS_PER_PASS * (D * 2)
-                                                        : s + swz<D>(r, ch);
+                                                        : s + fc::swz_bytes<D>(r, ch);
             if (ch < dz) cp_async16(d, ok ? (const void*)src : (const void*)g, ok ? 16 : 0);
         }
         src += step;
@@ -209,10 +151,6 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //     third body adds ~17 % to the sm80 family's compile time (127 -> 148 CPU-s here).
 enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16, FWD_GEN = 32, FWD_NARROW = 64 };
 
-__device__ __forceinline__ uint32_t launder32(uint32_t x) {
-    asm volatile("mov.b32 %0, %1;" : "=r"(x) : "r"(x));
-    return x;
-}
 // Address of 16-byte chunk group j (0..3) for a lane: XA: base already holds the lane's swizzled
 // chunk 0 and a 128-byte aligned row address, so ((c ^ sw) << 4) == base_bits ^ (j << 5).
 template <bool XA>
@@ -284,7 +222,7 @@ __device__ __forceinline__ void mask_tile(float (&s)[MT][NS][4], int nb, int war
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int col = col0 + j * 8 + e;
-                        if (col >= hi || col < lo) s[mt][j][2 * hf + e] = FC_NEG_INF;
+                        fc::mask_score(s[mt][j][2 * hf + e], col, lo, hi);
                     }
             }
     }
@@ -473,7 +411,7 @@ __device__ __forceinline__ void store_o(unsigned char* smem_o, const float (&o)[
             const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
 #pragma unroll
             for (int j = 0; j < ND; ++j)
-                *reinterpret_cast<uint32_t*>(smem_o + swz<D>(r, chunk0 + j) + 4 * (lane & 3)) =
+                *reinterpret_cast<uint32_t*>(smem_o + fc::swz_bytes<D>(r, chunk0 + j) + 4 * (lane & 3)) =
                     Elem<T>::pack(o[mt][j][2 * hf], o[mt][j][2 * hf + 1]);
         }
     __syncwarp();
@@ -482,7 +420,7 @@ __device__ __forceinline__ void store_o(unsigned char* smem_o, const float (&o)[
         const int c = lane + 32 * i;
         const int r = warp_row + c / ND, ch = chunk0 + c % ND;
         if (r < rows_valid && ch < dch) {
-            const uint4 val = *reinterpret_cast<const uint4*>(smem_o + swz<D>(r, ch));
+            const uint4 val = *reinterpret_cast<const uint4*>(smem_o + fc::swz_bytes<D>(r, ch));
             *reinterpret_cast<uint4*>(og + (int64_t)r * row_stride + ch * 8) = val;
         }
     }
