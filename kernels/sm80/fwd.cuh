@@ -199,6 +199,35 @@ __device__ __forceinline__ void qk_tile(float (&s)[MT][NS][4], uint32_t q_lane,
     }
 }
 
+// S = Q K^T for one key tile with Q's fragments held in registers (qr, all KD k16 steps; loaded
+// at the first tile); k_row: the K tile's base plus the lane's row (the swizzled chunk from
+// k_off). NARROW as qk_tile.
+template <typename T, int D, int MT, int NS, bool NARROW>
+__device__ __forceinline__ void qk_tile_qregs(float (&s)[MT][NS][4], const uint32_t (&qr)[MT][D / 16][4],
+                                              uint32_t k_row, const uint32_t (&k_off)[4], int kd) {
+    constexpr int KD = D / 16;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+        if (NARROW && kk >= narrow_min_ksteps<D>() && kk >= kd) break;  // (qk_tile)
+#pragma unroll
+        for (int np = 0; np < NS / 2; ++np) {
+            uint32_t b[4];
+            ldsm_x4(b, k_row + k_off[kk & 3] + (np * 16 * (D * 2) + (kk >> 2) * 128));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                Elem<T>::mma(s[mt][2 * np], qr[mt][kk], b[0], b[1]);
+                Elem<T>::mma(s[mt][2 * np + 1], qr[mt][kk], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // -inf outside the visible band (ragged key tail, causal diagonal, window edges).
 // col_off: first key of this warp's columns inside the key tile (key-split warp pairs).
 template <int MASK, int BN, int MT, int NS>
@@ -208,7 +237,7 @@ __device__ __forceinline__ void mask_tile(float (&s)[MT][NS][4], int nb, int war
     if (fc::tile_needs_mask<MASK, BN>(nb, warp_r0, warp_r0 + 16 * MT - 1, sq, sk, wl, wr)) {
         // Re-read the lane id here instead of keeping per-lane row/column terms live across the
         // key loop (register pressure).
-        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+        lane = fc::lane_remat();
         row_thr = warp_r0 + (lane >> 2);
         const int col0 = nb * BN + col_off + 2 * (lane & 3);
 #pragma unroll
@@ -233,13 +262,13 @@ __device__ __forceinline__ void mask_tile(float (&s)[MT][NS][4], int nb, int war
 template <bool CAP, int MT, int NS>
 __device__ __forceinline__ void softcap_tile(float (&s)[MT][NS][4], const FcParams& p) {
     if (CAP && p.softcap > 0.f) {
-        const float pre = __fdividef(p.scale, p.softcap);
+        const fc::Softcap cap(p.scale, p.softcap);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int j = 0; j < NS; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][j][e] = fc::softcap_tanh(s[mt][j][e] * pre);
+                for (int e = 0; e < 4; ++e) s[mt][j][e] = cap(s[mt][j][e]);
     }
 }
 
@@ -250,10 +279,9 @@ template <bool CAP, int BN, int MT, int NS>
 __device__ __forceinline__ void alibi_tile(float (&s)[MT][NS][4], const FcParams& p, float slope_u,
                                            int nb, int warp_r0, int sq, int sk, int col_off = 0) {
     if (CAP && p.alibi_slopes != nullptr) {
-        int lane;
-        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+        const int lane = fc::lane_remat();
         const int col0 = nb * BN + col_off + 2 * (lane & 3);
-        const float lo = fc::alibi_floor(p);
+        const fc::Alibi alibi(slope_u, fc::alibi_floor(p));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -263,8 +291,7 @@ __device__ __forceinline__ void alibi_tile(float (&s)[MT][NS][4], const FcParams
                 for (int j = 0; j < NS; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        s[mt][j][2 * hf + e] =
-                            fc::alibi_apply(s[mt][j][2 * hf + e], slope_u, abs(col0 + j * 8 + e - diag), lo);
+                        s[mt][j][2 * hf + e] = alibi(s[mt][j][2 * hf + e], col0 + j * 8 + e, diag);
             }
     }
 }
@@ -522,6 +549,47 @@ struct FwdTile {
     }
 };
 
+// Epilogue of fwd_body: normalise this warp's rows (the head's sink joins the normaliser when
+// there is one), write their LSE, stage O through the warp's own Q rows (only this warp ever read
+// them), then 16-byte coalesced stores. LEAN: og / lseg recomputed from %ctaid (FwdTile::out_remat).
+template <typename T, int D, int MASK, int BM, int BN, bool GEN, bool LEAN, int MT, int ND>
+__device__ __forceinline__ void fwd_epilogue(const FcParams& p, float (&o)[MT][ND][4], const float (&row_m)[MT][2],
+                                             const float (&row_l)[MT][2], int warp_row, int lane,
+                                             int rows_valid, T* og, float* lseg) {
+    extern __shared__ __align__(128) unsigned char fc_sm80_fwd_smem[];
+    T* o_out = og;
+    float* lse_out = lseg;
+    if constexpr (LEAN) FwdTile<T, MASK, BM, BN, GEN>::out_remat(p, o_out, lse_out);
+    const float scale = GEN ? fc::score_unit(p.scale, p.softcap) : p.scale;
+    // The head's sink joins the normaliser here; the check is unswitched so that the plain
+    // epilogue compiles as it did without sinks (one join per row pushed d256 into spills).
+    auto finish = [&](auto with_sink) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const float l = fc::quad_sum(row_l[mt][hf]);
+                float lse;
+                // (the sink is read again per row: holding it beside O spilled at d256)
+                const float inv =
+                    decltype(with_sink)::value
+                        ? fc::finalize_sink(row_m[mt][hf] * scale, l,
+                                            FwdTile<T, MASK, BM, BN, GEN>::sink_remat(p), lse)
+                        : fc::finalize_row(row_m[mt][hf], l, scale, lse);
+                scale_o_half(o, mt, hf, inv);
+                const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
+                if ((lane & 3) == 0 && r < rows_valid) lse_out[r] = lse;
+            }
+    };
+    if (FwdTile<T, MASK, BM, BN, GEN>::sink_remat(p) == FC_NEG_INF)
+        finish(fc::Flag<false>{});
+    else
+        finish(fc::Flag<true>{});
+    __syncwarp();
+    store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, 0, o_out, p.o_row_stride, rows_valid,
+                  GEN ? p.d / 8 : D / 8);
+}
+
 template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES, int OPT = 0>
 __device__ __forceinline__ void fwd_body(const FcParams& p) {
     static_assert(D == 64 || D == 128 || D == 256, "HEAD_DIM must be 64, 128 or 256");
@@ -681,26 +749,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
             qk_tile<T, D, MT, NS, XA, KD, NARROW>(s, XA ? q_lx : q_lane, q_off,
                                                   sKs + (XA ? k_lx : k_lane_row), k_off, kd);
         } else {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int j = 0; j < NS; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-                if (NARROW && kk >= narrow_min_ksteps<D>() && kk >= kd) break;  // (qk_tile)
-#pragma unroll
-                for (int np = 0; np < NS / 2; ++np) {
-                    uint32_t b[4];
-                    ldsm_x4(b, sKs + k_lane_row + k_off[kk & 3] + (np * 16 * (D * 2) + (kk >> 2) * 128));
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        E::mma(s[mt][2 * np], qr[mt][kk], b[0], b[1]);
-                        E::mma(s[mt][2 * np + 1], qr[mt][kk], b[2], b[3]);
-                    }
-                }
-            }
+            qk_tile_qregs<T, D, MT, NS, NARROW>(s, qr, sKs + k_lane_row, k_off, kd);
         }
         softcap_tile<(OPT & FWD_GEN) != 0>(s, p);
         alibi_tile<(OPT & FWD_GEN) != 0, BN>(s, p, slope_u, nb, warp_r0, sq, sk);
@@ -727,39 +776,35 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
 
     // Epilogue: normalise, LSE, stage O through this warp's own Q rows (only this warp ever
     // read them), then 16-byte coalesced stores.
-    T* o_out = og;
-    float* lse_out = lseg;
-    if constexpr (LEAN) FwdTile<T, MASK, BM, BN, GEN>::out_remat(p, o_out, lse_out);
-    const float scale = (OPT & FWD_GEN) != 0 ? fc::score_unit(p.scale, p.softcap) : p.scale;
-    // The head's sink joins the normaliser here; the check is unswitched so that the plain
-    // epilogue compiles as it did without sinks (one join per row pushed d256 into spills).
-    auto finish = [&](auto with_sink) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const float l = fc::quad_sum(row_l[mt][hf]);
-                float lse;
-                // (the sink is read again per row: holding it beside O spilled at d256)
-                const float inv =
-                    decltype(with_sink)::value
-                        ? fc::finalize_sink(row_m[mt][hf] * scale, l,
-                                            FwdTile<T, MASK, BM, BN, GEN>::sink_remat(p), lse)
-                        : fc::finalize_row(row_m[mt][hf], l, scale, lse);
-                scale_o_half(o, mt, hf, inv);
-                const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
-                if ((lane & 3) == 0 && r < rows_valid) lse_out[r] = lse;
-            }
-    };
-    if (FwdTile<T, MASK, BM, BN, GEN>::sink_remat(p) == FC_NEG_INF)
-        finish(fc::Flag<false>{});
-    else
-        finish(fc::Flag<true>{});
-    __syncwarp();
-    store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, 0, o_out, p.o_row_stride, rows_valid,
-                  GEN ? p.d / 8 : D / 8);
+    fwd_epilogue<T, D, MASK, BM, BN, GEN, LEAN>(p, o, row_m, row_l, warp_row, lane, rows_valid, og, lseg);
 }
 
+
+// Online softmax of a warp pair's S half (fwd_body_pair): the row max is the larger of the two
+// warps' partial maxima (published in shared memory at red_own / red_mate), s becomes P, O is
+// rescaled, and the row's partial sum at red_own + SUM_OFF is updated by the quad's first lane.
+template <uint32_t SUM_OFF, int MT, int NS, int ND>
+__device__ __forceinline__ void pair_softmax(float (&s)[MT][NS][4], float (&o)[MT][ND][4], float (&row_m)[MT][2],
+                                             uint32_t red_own, uint32_t red_mate, float sl2, bool quad0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const float m_new = fmaxf(fc::ld_shared_f32(red_own + (mt * 16 + hf * 8) * 4),
+                                      fc::ld_shared_f32(red_mate + (mt * 16 + hf * 8) * 4));
+            float msc;
+            const float alpha = fc::online_rescale(row_m[mt][hf], m_new, sl2, msc);
+            row_m[mt][hf] = m_new;
+            const float sum = fc::quad_sum(exp_row(s[mt], hf, sl2, msc));
+            const uint32_t l_addr = red_own + SUM_OFF + (mt * 16 + hf * 8) * 4;
+            if (quad0) fc::st_shared_f32(l_addr, fmaf(fc::ld_shared_f32(l_addr), alpha, sum));
+#pragma unroll
+            for (int j = 0; j < ND; ++j) {
+                o[mt][j][2 * hf] *= alpha;
+                o[mt][j][2 * hf + 1] *= alpha;
+            }
+        }
+}
 
 // Key-split warp pairs (FWD_PAIR; written for d256, where one warp cannot hold 32 rows of O).
 // Warps 2i and 2i+1 own the same RW = BM / (WARPS/2) query rows (MT = RW/16 m16 tiles each):
@@ -902,24 +947,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
         }
 
         // Online softmax with the pair's common row max.
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const float m_new = fmaxf(fc::ld_shared_f32(red_own + (mt * 16 + hf * 8) * 4),
-                                          fc::ld_shared_f32(red_mate + (mt * 16 + hf * 8) * 4));
-                float msc;
-                const float alpha = fc::online_rescale(row_m[mt][hf], m_new, sl2, msc);
-                row_m[mt][hf] = m_new;
-                const float sum = fc::quad_sum(exp_row(s[mt], hf, sl2, msc));
-                const uint32_t l_addr = red_own + SUM_OFF + (mt * 16 + hf * 8) * 4;
-                if (quad0) fc::st_shared_f32(l_addr, fmaf(fc::ld_shared_f32(l_addr), alpha, sum));
-#pragma unroll
-                for (int j = 0; j < ND; ++j) {
-                    o[mt][j][2 * hf] *= alpha;
-                    o[mt][j][2 * hf + 1] *= alpha;
-                }
-            }
+        pair_softmax<SUM_OFF>(s, o, row_m, red_own, red_mate, sl2, quad0);
         // This warp's P half, one k16 step at a time (S registers die step by step): to smem for
         // the partner, and straight into its own P.V step.
         const uint32_t v_l = launder32(v_lane);
