@@ -85,99 +85,18 @@
 #include <stdint.h>
 #include <type_traits>
 #include "common/params.h"
+#include "common/ptx.cuh"
+#include "common/mask.cuh"
+#include "common/variants.cuh"
 #include "common/softmax.cuh"
 #include "common/seqlens.cuh"
 
 namespace fc_decode {
 
-// ---------------------------------------------------------------- PTX helpers
-__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-// PF: L2 prefetch size hint (0: none, 128, 256 bytes).
-template <int PF = 128>
-__device__ __forceinline__ void cp_async16(uint32_t saddr, const void* gptr, bool pred) {
-    const int n = pred ? 16 : 0;  // src-size 0: zero-fill, nothing read
-    if constexpr (PF == 256) {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(n));
-    } else if constexpr (PF == 128) {
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(n));
-    } else {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(n));
-    }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-
-template <typename T> struct Ops;
-template <> struct Ops<__nv_bfloat16> {
-    static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    // lo -> low 16 bits
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        uint32_t r;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-};
-template <> struct Ops<__half> {
-    static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        uint32_t r;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-};
-
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// Programmatic dependent launch (sm_90+; compiled out for sm_8x). Both are no-ops when the grid was
-// not launched with cudaLaunchAttributeProgrammaticStreamSerialization.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::);
-#endif
-}
-
-// Element offset of (row, 16-byte chunk) in a [rows][D] tile of 16-bit elements whose chunks are
-// XOR-swizzled by (row & 7): conflict-free for ldmatrix (8 rows, one chunk) and row-wise stores.
-template <int D>
-__device__ __forceinline__ int swz(int row, int chunk) {
-    return row * D + ((chunk ^ (row & 7)) << 3);
-}
-
-template <int N> struct IntC { static constexpr int value = N; };
-
-__device__ __forceinline__ int clampi(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+// (the shared PTX helpers and dtype traits: common/ptx.cuh)
+using fc::cp_async_wait;
+using fc::smem_addr;
+using fc::swz_elems;
 
 // Balanced splits (p.split_budget > 0; the host sets it for paged / varlen batches of 2..32
 // sequences, no mask: a causal decode of one query row takes the no-mask kernel; in the causal
@@ -296,8 +215,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     static_assert(W * 16 * (D + 8) * 4 + W * 16 * 2 * 4 <= split_smem_bytes(D, BM, BN, S, KB), "epilogue smem");
 
     extern __shared__ __align__(128) unsigned char fc_decode_smem[];
-    pdl_wait();               // inputs of a preceding kernel (no-op without PDL)
-    pdl_launch_dependents();  // let the combine grid get scheduled early (it waits for our completion)
+    fc::pdl_wait();               // inputs of a preceding kernel (no-op without PDL)
+    fc::pdl_launch_dependents();  // let the combine grid get scheduled early (it waits for our completion)
     T* sQ = reinterpret_cast<T*>(fc_decode_smem);
     // S stages of [K tile BN x D][V tile BN x D] of KV elements (addressed in units of T, as
     // the 16-bit kernels always were); F8: then the widened K and V tiles
@@ -397,12 +316,12 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     if (MASK == 2) { wl = p.window_left; wr = p.window_right; }
     if (MASK != 0) {
         if (wr >= 0) {
-            hi_cta = clampi(i_max + diag + wr + 1, 0, sk);
-            hi_all = clampi(i_min + diag + wr + 1, 0, sk);
+            hi_cta = fc::clamp_i(i_max + diag + wr + 1, 0, sk);
+            hi_all = fc::clamp_i(i_min + diag + wr + 1, 0, sk);
         }
         if (wl >= 0) {
-            lo_cta = clampi(i_min + diag - wl, 0, sk);
-            lo_all = clampi(i_max + diag - wl, 0, sk);
+            lo_cta = fc::clamp_i(i_min + diag - wl, 0, sk);
+            lo_all = fc::clamp_i(i_max + diag - wl, 0, sk);
         }
     }
     int t_lo = lo_cta / BN, t_hi = (hi_cta + BN - 1) / BN;
@@ -416,8 +335,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         row_lo[h] = 0;
         row_hi[h] = sk;
         if (MASK != 0) {
-            if (wr >= 0) row_hi[h] = clampi(i + diag + wr + 1, 0, sk);
-            if (wl >= 0) row_lo[h] = clampi(i + diag - wl, 0, sk);
+            if (wr >= 0) row_hi[h] = fc::clamp_i(i + diag + wr + 1, 0, sk);
+            if (wl >= 0) row_lo[h] = fc::clamp_i(i + diag - wl, 0, sk);
         }
     }
 
@@ -443,9 +362,9 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 const int hl = r / sq, i = r - hl * sq;
                 src = qg + (int64_t)i * p.q_row_stride + (int64_t)(kvh * p.h_ratio + hl) * p.q_head_stride + ch * 8;
             }
-            cp_async16(smem_u32(sQ + swz<D>(row, ch)), src, ok);
+            fc::cp_async16<128, false>(smem_addr(sQ + swz_elems<D>(row, ch)), src, ok ? 16 : 0);
         }
-        cp_async_commit();
+        fc::cp_async_commit<false>();
     }
 
     // Splits of a paged cache without a window cut the grid's key range (p.sk = the table's
@@ -518,7 +437,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     // 16-bit tiles are swizzled (`swz`); their address arithmetic is kept as it was, and their
     // kernels' PTX with it (other forms spilled d64 local 8 B on sm_80).
     auto at8 = [](T* tile, int row, int ch) {
-        return smem_u32(reinterpret_cast<unsigned char*>(tile) + row * D + ch * 16);
+        return smem_addr(reinterpret_cast<unsigned char*>(tile) + row * D + ch * 16);
     };
     auto load_tile = [&](int t, int slot) {
         T* sK = sKV + slot * (2 * BN * D * KB / 2);  // 2 * BN * D * KB bytes per slot
@@ -549,16 +468,16 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 for (int it = 0; it < BN * KCPR / THREADS; ++it) {
                     const int row = rf + it * STEP;
                     const bool ok = t * BN + row < sk && ch < kdch;
-                    cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), ok ? kpi : kg, ok);
-                    cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), ok ? vpi : vg, ok);
+                    fc::cp_async16<PF, false>(F8 ? at8(sK, row, ch) : smem_addr(sK + swz_elems<D>(row, ch)), ok ? kpi : kg, ok ? 16 : 0);
+                    fc::cp_async16<PF, false>(F8 ? at8(sV, row, ch) : smem_addr(sV + swz_elems<D>(row, ch)), ok ? vpi : vg, ok ? 16 : 0);
                     kpi += STEP * ksr;
                     vpi += STEP * vsr;
                 }
             };
             if (warp_rows) {
-                copy_rows(IntC<32 / KCPR>{}, row_first());
+                copy_rows(std::integral_constant<int, 32 / KCPR>{}, row_first());
             } else {
-                copy_rows(IntC<THREADS / KCPR>{}, row_first());
+                copy_rows(std::integral_constant<int, THREADS / KCPR>{}, row_first());
             }
             // the next tile's rows, while these copies are in flight: its issue is then only
             // the copies, as in the contiguous cache (the page arithmetic in front of every
@@ -598,8 +517,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 const int slot = __shfl_sync(0xffffffffu, my_slot, src);
                 const KV* kp = ok ? kg + page * p.k_batch_stride + (int64_t)slot * ksr + ch * KEL : kg;
                 const KV* vp = ok ? vg + page * p.v_batch_stride + (int64_t)slot * vsr + ch * KEL : vg;
-                cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), kp, ok);
-                cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), vp, ok);
+                fc::cp_async16<PF, false>(F8 ? at8(sK, row, ch) : smem_addr(sK + swz_elems<D>(row, ch)), kp, ok ? 16 : 0);
+                fc::cp_async16<PF, false>(F8 ? at8(sV, row, ch) : smem_addr(sV + swz_elems<D>(row, ch)), vp, ok ? 16 : 0);
             }
             return;
         }
@@ -611,8 +530,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             const bool ok = key0 + it * (THREADS / KCPR) < sk && ch < kdch;
             const int64_t ko = (int64_t)it * (THREADS / KCPR) * ksr;
             const int64_t vo = (int64_t)it * (THREADS / KCPR) * vsr;
-            cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), ok ? kp + ko : kg, ok);
-            cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), ok ? vp + vo : vg, ok);
+            fc::cp_async16<PF, false>(F8 ? at8(sK, row, ch) : smem_addr(sK + swz_elems<D>(row, ch)), ok ? kp + ko : kg, ok ? 16 : 0);
+            fc::cp_async16<PF, false>(F8 ? at8(sV, row, ch) : smem_addr(sV + swz_elems<D>(row, ch)), ok ? vp + vo : vg, ok ? 16 : 0);
         }
     };
 
@@ -622,19 +541,19 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
 #pragma unroll 1
         for (int s = 0; s < S - 1; ++s) {
             if (t_begin + s < t_end) load_tile(t_begin + s, s);
-            cp_async_commit();
+            fc::cp_async_commit<false>();
         }
     } else {
 #pragma unroll
         for (int s = 0; s < S - 1; ++s) {
             if (t_begin + s < t_end) load_tile(t_begin + s, s);
-            cp_async_commit();
+            fc::cp_async_commit<false>();
         }
     }
     cp_async_wait<S - 1>();  // Q group landed
     __syncthreads();
 
-    const uint32_t sQ_u = smem_u32(sQ);
+    const uint32_t sQ_u = smem_addr(sQ);
     // ldmatrix lane offsets
     const int a_row = wm * 16 + (lane & 15);      // Q (A operand)
     const int a_chk = lane >> 4;                  // + 2*kk
@@ -647,7 +566,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     if constexpr (Q_IN_REGS) {
 #pragma unroll
         for (int kk = 0; kk < KT; ++kk)
-            ldsm_x4(sQ_u + 2 * swz<D>(a_row, 2 * kk + a_chk), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+            fc::ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], sQ_u + 2 * swz_elems<D>(a_row, 2 * kk + a_chk));
     }
 
     float o[NT][4];
@@ -678,7 +597,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         {
             const int tn = t + S - 1;
             if (tn < t_end) load_tile(tn, (it + S - 1) % S);
-            cp_async_commit();
+            fc::cp_async_commit<false>();
         }
         cp_async_wait<S - 1>();  // tile t landed (tiles t+1 .. t+S-1 may be pending)
         if constexpr (F8) {
@@ -700,16 +619,16 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 const int row = rf + i * step;
                 uint4 lo, hi;
                 e4m3x16_to<T>(*reinterpret_cast<const uint4*>(rk + row * D + ch * 16), lo, hi, kflip, kkeep);
-                *reinterpret_cast<uint4*>(sKw + swz<D>(row, 2 * ch)) = lo;
-                *reinterpret_cast<uint4*>(sKw + swz<D>(row, 2 * ch + 1)) = hi;
+                *reinterpret_cast<uint4*>(sKw + swz_elems<D>(row, 2 * ch)) = lo;
+                *reinterpret_cast<uint4*>(sKw + swz_elems<D>(row, 2 * ch + 1)) = hi;
                 e4m3x16_to<T>(*reinterpret_cast<const uint4*>(rv + row * D + ch * 16), lo, hi, 0u, 0xFFFFFFFFu);
-                *reinterpret_cast<uint4*>(sKw + BN * D + swz<D>(row, 2 * ch)) = lo;
-                *reinterpret_cast<uint4*>(sKw + BN * D + swz<D>(row, 2 * ch + 1)) = hi;
+                *reinterpret_cast<uint4*>(sKw + BN * D + swz_elems<D>(row, 2 * ch)) = lo;
+                *reinterpret_cast<uint4*>(sKw + BN * D + swz_elems<D>(row, 2 * ch + 1)) = hi;
             }
         }
         __syncthreads();  // tile t (F8: widened) is visible to all warps
         const int slot = it % S;
-        const uint32_t sK_u = F8 ? smem_u32(sKw) : smem_u32(sKV + slot * (2 * BN * D));
+        const uint32_t sK_u = F8 ? smem_addr(sKw) : smem_addr(sKV + slot * (2 * BN * D));
         const uint32_t sV_u = sK_u + BN * D * 2;
         const bool need_mask = (t * BN < lo_all) || ((t + 1) * BN > hi_all);
 
@@ -724,12 +643,12 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 if constexpr (Q_IN_REGS) {
                     a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
                 } else {
-                    ldsm_x4(sQ_u + 2 * swz<D>(a_row, 2 * kk + a_chk), a[0], a[1], a[2], a[3]);
+                    fc::ldsm_x4(a[0], a[1], a[2], a[3], sQ_u + 2 * swz_elems<D>(a_row, 2 * kk + a_chk));
                 }
                 uint32_t b0, b1, b2, b3;
-                ldsm_x4(sK_u + 2 * swz<D>(key0 + k_row, 2 * kk + k_chk), b0, b1, b2, b3);
-                Ops<T>::mma(s[0], a, b0, b1);
-                Ops<T>::mma(s[1], a, b2, b3);
+                fc::ldsm_x4(b0, b1, b2, b3, sK_u + 2 * swz_elems<D>(key0 + k_row, 2 * kk + k_chk));
+                fc::Elem<T>::template mma<false>(s[0], a, b0, b1);
+                fc::Elem<T>::template mma<false>(s[1], a, b2, b3);
             }
             if (p.softcap > 0.f) {  // before the mask, as in fwd.cuh softcap_tile
                 // pre recomputed from the parameters here (a volatile copy keeps it from being
@@ -778,14 +697,14 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 const float m_new = fmaxf(m_run[h], mx);
                 const float m_safe = (m_new == -INFINITY) ? 0.f : m_new;
-                alpha[h] = ex2((m_run[h] - m_safe) * sl2);
+                alpha[h] = fc::exp2_approx((m_run[h] - m_safe) * sl2);
                 m_run[h] = m_new;
                 const float ms = m_safe * sl2;
                 float rs = 0.f;
 #pragma unroll
                 for (int n = 0; n < 2; ++n) {
-                    s[n][2 * h] = ex2(fmaf(s[n][2 * h], sl2, -ms));
-                    s[n][2 * h + 1] = ex2(fmaf(s[n][2 * h + 1], sl2, -ms));
+                    s[n][2 * h] = fc::exp2_approx(fmaf(s[n][2 * h], sl2, -ms));
+                    s[n][2 * h + 1] = fc::exp2_approx(fmaf(s[n][2 * h + 1], sl2, -ms));
                     rs += s[n][2 * h] + s[n][2 * h + 1];
                 }
                 l_run[h] = fmaf(l_run[h], alpha[h], rs);
@@ -796,16 +715,16 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
             }
             uint32_t pa[4];
-            pa[0] = Ops<T>::pack(s[0][0], s[0][1]);
-            pa[1] = Ops<T>::pack(s[0][2], s[0][3]);
-            pa[2] = Ops<T>::pack(s[1][0], s[1][1]);
-            pa[3] = Ops<T>::pack(s[1][2], s[1][3]);
+            pa[0] = fc::Elem<T>::pack(s[0][0], s[0][1]);
+            pa[1] = fc::Elem<T>::pack(s[0][2], s[0][3]);
+            pa[2] = fc::Elem<T>::pack(s[1][0], s[1][1]);
+            pa[3] = fc::Elem<T>::pack(s[1][2], s[1][3]);
 #pragma unroll
             for (int j2 = 0; j2 < D / 16; ++j2) {
                 uint32_t b0, b1, b2, b3;
-                ldsm_x4_t(sV_u + 2 * swz<D>(key0 + v_row, 2 * j2 + v_chk), b0, b1, b2, b3);
-                Ops<T>::mma(o[2 * j2], pa, b0, b1);
-                Ops<T>::mma(o[2 * j2 + 1], pa, b2, b3);
+                fc::ldsm_x4_trans(b0, b1, b2, b3, sV_u + 2 * swz_elems<D>(key0 + v_row, 2 * j2 + v_chk));
+                fc::Elem<T>::template mma<false>(o[2 * j2], pa, b0, b1);
+                fc::Elem<T>::template mma<false>(o[2 * j2 + 1], pa, b2, b3);
             }
         }
     }
@@ -845,7 +764,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         float L = 0.f;
         for (int w = 0; w < WN; ++w) {
             const float* ml = sML + ((mt * WN + w) * 16 + rr) * 2;
-            L += ml[1] * ex2((ml[0] - Ms) * sl2);
+            L += ml[1] * fc::exp2_approx((ml[0] - Ms) * sl2);
         }
         const float inv = L > 0.f ? (F8 ? vsc / L : 1.f / L) : 0.f;  // F8: the V scale, once
         float acc[8];
@@ -853,7 +772,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         for (int e = 0; e < 8; ++e) acc[e] = 0.f;
         for (int w = 0; w < WN; ++w) {
             const float* ml = sML + ((mt * WN + w) * 16 + rr) * 2;
-            const float f = ex2((ml[0] - Ms) * sl2) * inv;
+            const float f = fc::exp2_approx((ml[0] - Ms) * sl2) * inv;
             const float* src = sO + ((mt * WN + w) * 16 + rr) * OSTR + ch * 8;
             const float4 x0 = *reinterpret_cast<const float4*>(src);
             const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
@@ -884,10 +803,10 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
                     (int64_t)h * p.o_head_stride + ch * 8;
             uint4 u;
-            u.x = Ops<T>::pack(acc[0], acc[1]);
-            u.y = Ops<T>::pack(acc[2], acc[3]);
-            u.z = Ops<T>::pack(acc[4], acc[5]);
-            u.w = Ops<T>::pack(acc[6], acc[7]);
+            u.x = fc::Elem<T>::pack(acc[0], acc[1]);
+            u.y = fc::Elem<T>::pack(acc[2], acc[3]);
+            u.z = fc::Elem<T>::pack(acc[4], acc[5]);
+            u.w = fc::Elem<T>::pack(acc[6], acc[7]);
             *reinterpret_cast<uint4*>(od) = u;
             if (ch == 0) fc::lse_ptr(p, bb, h, sr.q0)[i] = lse;
         } else {
@@ -933,7 +852,7 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
         const bool all = __syncthreads_or(fc::prefix_sums_lie(p));
         lie = all || (i < sr.sq && __syncthreads_or(fc::pages_lie(p, bb)));  // block-uniform
         if (all && blockIdx.x == 0) {
-            pdl_wait();
+            fc::pdl_wait();
             const int64_t n_rows = p.cu_seqlens_q != nullptr ? (int64_t)p.total_q : (int64_t)p.b * p.sq;
             uint16_t* o16 = static_cast<uint16_t*>(p.o);
             for (int64_t x = tid; x < n_rows * p.hq * p.d; x += THREADS) o16[x] = 0x7FFF;
@@ -941,11 +860,11 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
         }
     }
     if (i >= sr.sq) {  // past the end of a shorter sequence (varlen): no such row
-        pdl_launch_dependents();
+        fc::pdl_launch_dependents();
         return;
     }
-    pdl_wait();  // no-op unless launched as a programmatic dependent of the split kernel
-    pdl_launch_dependents();  // the varlen / paged check kernel may start (it waits to write)
+    fc::pdl_wait();  // no-op unless launched as a programmatic dependent of the split kernel
+    fc::pdl_launch_dependents();  // the varlen / paged check kernel may start (it waits to write)
     if (lie) {
         T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
                 (int64_t)h * p.o_head_stride;
@@ -1023,7 +942,7 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
         T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
                 (int64_t)h * p.o_head_stride + tid * 4;
         if (tid * 4 < p.d)
-            *reinterpret_cast<uint2*>(od) = make_uint2(Ops<T>::pack(o.x * inv, o.y * inv), Ops<T>::pack(o.z * inv, o.w * inv));
+            *reinterpret_cast<uint2*>(od) = make_uint2(fc::Elem<T>::pack(o.x * inv, o.y * inv), fc::Elem<T>::pack(o.z * inv, o.w * inv));
         if (tid == 0) fc::lse_ptr(p, bb, h, sr.q0)[i] = lse;
     }
 }
