@@ -29,20 +29,6 @@ __device__ __forceinline__ void mask_score(float& s, int key, int lo, int hi) {
     if (key >= hi || key < lo) s = -__int_as_float(0x7f800000);
 }
 
-// The window (wl, wr) of a mask: constants for MASK_NONE / MASK_CAUSAL, the parameters' for
-// MASK_WINDOW.
-template <int MASK_ID>
-__device__ __forceinline__ void window_of(const FcParams& p, int& wl, int& wr) {
-    static_assert(MASK_ID >= MASK_NONE && MASK_ID <= MASK_WINDOW, "mask id: 0 none, 1 causal, 2 window");
-    wl = -1;
-    wr = -1;
-    if (MASK_ID == MASK_CAUSAL) wr = 0;
-    if (MASK_ID == MASK_WINDOW) {
-        wl = p.window_left;
-        wr = p.window_right;
-    }
-}
-
 // Band [lo, hi) of query row `row` (unclamped: lo may be negative; callers test keys < sk).
 // (wl, wr): MASK_WINDOW's bounds, not read by the other masks.
 template <int MASK_ID>
@@ -58,7 +44,9 @@ __device__ __forceinline__ void band_limits(int row, int sq, int sk, int wl, int
     }
 }
 // The band of the row whose diagonal key is i + diag (diag = sk - sq), clamped into [0, sk].
-// (wl, wr): window_of.
+// (wl, wr): the window as in the header ((-1, 0) for causal). Bands move right with the row, so
+// rows i_min..i_max see keys [lo(i_min), hi(i_max)) between them and all of them see
+// [lo(i_max), hi(i_min)) (the split-KV decode's key range of a row block).
 template <int MASK_ID>
 __device__ __forceinline__ void band_clamped(int i, int diag, int sk, int wl, int wr, int& lo, int& hi) {
     lo = 0;
@@ -66,24 +54,6 @@ __device__ __forceinline__ void band_clamped(int i, int diag, int sk, int wl, in
     if (MASK_ID != MASK_NONE) {
         if (wr >= 0) hi = clamp_i(i + diag + wr + 1, 0, sk);
         if (wl >= 0) lo = clamp_i(i + diag - wl, 0, sk);
-    }
-}
-// Rows i_min..i_max of a block (diag = sk - sq; (wl, wr): window_of): the union of their bands
-// [lo_any, hi_any) (the keys to visit) and their intersection [lo_all, hi_all) (keys no row
-// hides), clamped into [0, sk].
-template <int MASK_ID>
-__device__ __forceinline__ void rows_bands(int i_min, int i_max, int diag, int sk, int wl, int wr, int& lo_any,
-                                           int& hi_any, int& lo_all, int& hi_all) {
-    lo_any = 0, hi_any = sk, lo_all = 0, hi_all = sk;
-    if (MASK_ID != MASK_NONE) {
-        if (wr >= 0) {
-            hi_any = clamp_i(i_max + diag + wr + 1, 0, sk);
-            hi_all = clamp_i(i_min + diag + wr + 1, 0, sk);
-        }
-        if (wl >= 0) {
-            lo_any = clamp_i(i_min + diag - wl, 0, sk);
-            lo_all = clamp_i(i_max + diag - wl, 0, sk);
-        }
     }
 }
 // Key-tile range [n_min, n_max) (tiles of BN keys) visible to query rows [r0, r1] (inclusive,

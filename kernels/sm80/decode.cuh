@@ -331,13 +331,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = r0 + wm * 16 + g8 + 8 * h;
-        const int i = r % sq;
-        row_lo[h] = 0;
-        row_hi[h] = sk;
-        if (MASK != 0) {
-            if (wr >= 0) row_hi[h] = fc::clamp_i(i + diag + wr + 1, 0, sk);
-            if (wl >= 0) row_lo[h] = fc::clamp_i(i + diag - wl, 0, sk);
-        }
+        fc::band_clamped<MASK>(r % sq, diag, sk, wl, wr, row_lo[h], row_hi[h]);
     }
 
     // ---- global pointers
@@ -655,11 +649,11 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 // hoisted and held across the key loop: d64 causal spilled 4 B on sm_80)
                 float c = p.softcap;
                 asm volatile("mov.b32 %0, %0;" : "+f"(c));
-                const float pre = __fdividef(F8 ? p.scale * kmag() : p.scale, c);
+                const fc::Softcap cap(F8 ? p.scale * kmag() : p.scale, c);
 #pragma unroll
                 for (int n = 0; n < 2; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[n][e] = fc::softcap_tanh(s[n][e] * pre);
+                    for (int e = 0; e < 4; ++e) s[n][e] = cap(s[n][e]);
             }
             if (p.alibi_slopes != nullptr) {  // before the mask, after softcap (bias in score units)
                 const int kb = t * BN + key0 + 2 * t4;
@@ -668,13 +662,14 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
                 for (int h = 0; h < 2; ++h) {
                     const int r = min(r0 + wm * 16 + g8 + 8 * h, rows_total - 1);
                     const int hl = r / sq, i = r - hl * sq;
-                    const float sl = F8 ? fc::alibi_slope_units_at(p, bb, kvh * p.h_ratio + hl, p.scale * kmag())
-                                        : fc::alibi_slope_units(p, bb, kvh * p.h_ratio + hl);
+                    const fc::Alibi alibi(F8 ? fc::alibi_slope_units_at(p, bb, kvh * p.h_ratio + hl, p.scale * kmag())
+                                             : fc::alibi_slope_units(p, bb, kvh * p.h_ratio + hl),
+                                          lo);
                     const int dg = i + sk - sq;
 #pragma unroll
                     for (int n = 0; n < 2; ++n)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) s[n][2 * h + e] = fc::alibi_apply(s[n][2 * h + e], sl, abs(kb + n * 8 + e - dg), lo);
+                        for (int e = 0; e < 2; ++e) s[n][2 * h + e] = alibi(s[n][2 * h + e], kb + n * 8 + e, dg);
                 }
             }
             if (need_mask) {
