@@ -179,6 +179,25 @@ __device__ __forceinline__ void e4m3x16_to(const uint4 w, uint4& lo, uint4& hi, 
 }
 
 // ---------------------------------------------------------------- split kernel
+// F8 (e4m3 K/V): the head's scales, read where used (cached loads; held across the key loop they
+// spilled the windowed d128 kernel). Scores are q . k_stored * |k scale| * p.scale: the K scale's
+// sign and a zero scale go into the widened K (`e4m3x2_to`'s flip / keep; a zero scale zeroes K
+// and keeps p.scale), its magnitude into the scale (`k_mag`); the V scale multiplies 1 / L in the
+// epilogue (`v_scale`). The 16-bit kernels keep their own expressions (`F8 ? scaled : plain`).
+template <bool F8>
+__device__ __forceinline__ float k_scale(const FcParams& p, int kvh) {
+    return F8 ? __ldg(p.k_scales + kvh * p.kv_scale_stride) : 1.f;
+}
+template <bool F8>
+__device__ __forceinline__ float k_mag(const FcParams& p, int kvh) {
+    const float ks = k_scale<F8>(p, kvh);
+    return ks == 0.f ? 1.f : fabsf(ks);  // NaN / inf stay NaN / inf: the reference's answer
+}
+template <bool F8>
+__device__ __forceinline__ float v_scale(const FcParams& p, int kvh) {
+    return F8 ? __ldg(p.v_scales + kvh * p.kv_scale_stride) : 1.f;
+}
+
 // Dynamic shared memory of a split kernel: the packed Q tile, then S stages of a K and a V tile
 // of KB-byte elements (the epilogue reuses it); with e4m3 K/V (KB = 1) also one K and one V tile
 // widened to 16 bits, which the tensor-core loop reads (= Variant::smem_bytes()).
@@ -568,18 +587,9 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_run[2] = {0.f, 0.f};
-    // F8: the head's scales, read where used (cached loads; held across the loop they spilled
-    // the windowed d128 kernel). Scores are q . k_stored * |k scale| * p.scale: the K scale's
-    // sign and a zero scale go into the widened K (`e4m3x2_to`'s flip / keep; a zero scale
-    // zeroes K and keeps p.scale), its magnitude into the scale (`kmag`); the V scale multiplies
-    // 1 / L in the epilogue (`vscale`). The 16-bit kernels keep their own expressions
-    // (`F8 ? scaled : plain` below).
-    auto kscale = [&]() { return F8 ? __ldg(p.k_scales + kvh * p.kv_scale_stride) : 1.f; };
-    auto kmag = [&]() {
-        const float ks = kscale();
-        return ks == 0.f ? 1.f : fabsf(ks);  // NaN / inf stay NaN / inf: the reference's answer
-    };
-    auto vscale = [&]() { return F8 ? __ldg(p.v_scales + kvh * p.kv_scale_stride) : 1.f; };
+    // F8: the head's scales, read where used (kv_scales)
+    auto kscale = [&]() { return k_scale<F8>(p, kvh); };
+    auto kmag = [&]() { return k_mag<F8>(p, kvh); };
     const float sl2 = fc::score_unit_log2(F8 ? p.scale_log2 * kmag() : p.scale_log2, p.softcap);
 
     // ---- main loop over this split's tiles
@@ -748,7 +758,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     __syncthreads();
 
     const float scale = fc::score_unit(F8 ? p.scale * kmag() : p.scale, p.softcap);
-    const float vsc = vscale();
+    const float vsc = v_scale<F8>(p, kvh);
     const int B = p.b;
     for (int item = tid; item < rows_here * CPR; item += THREADS) {
         const int rl = item / CPR, ch = item - rl * CPR;
