@@ -262,11 +262,12 @@ __device__ __forceinline__ void qk_step(float (&s)[2][4], const uint32_t (&qf)[Q
 }
 
 // Softcap and ALiBi on one 16-key step of split_kernel (fc::Softcap, fc::Alibi), before the
-// mask: keys kb + n * 8 + e, this thread's rows `row` and row + 8 of the packed rows (query head
-// kvh * h_ratio + r / sq, position r % sq).
-template <bool F8>
-__device__ __forceinline__ void modify_scores(float (&s)[2][4], const FcParams& p, int kb, int row, int rows_total, int sq,
-                                              int sk, int bb, int kvh) {
+// mask: keys t * BN + key0 + 2 * t4 + n * 8 + e, this thread's packed rows r0 + wm * 16 + g8 and
+// 8 below (query head kvh * h_ratio + r / sq, position r % sq; the terms are combined inside
+// the ALiBi branch so that no sum of them stays live across the key loop).
+template <bool F8, int BN>
+__device__ __forceinline__ void modify_scores(float (&s)[2][4], const FcParams& p, int t, int key0, int t4, int r0, int wm,
+                                              int g8, int rows_total, int sq, int sk, int bb, int kvh) {
     if (p.softcap > 0.f) {  // before the mask, as in fwd.cuh softcap_tile
         // pre recomputed from the parameters here (a volatile copy keeps it from being
         // hoisted and held across the key loop: d64 causal spilled 4 B on sm_80)
@@ -279,10 +280,11 @@ __device__ __forceinline__ void modify_scores(float (&s)[2][4], const FcParams& 
             for (int e = 0; e < 4; ++e) s[n][e] = cap(s[n][e]);
     }
     if (p.alibi_slopes != nullptr) {  // before the mask, after softcap (bias in score units)
+        const int kb = t * BN + key0 + 2 * t4;
         const float lo = F8 ? fc::alibi_floor_at(p, p.scale_log2 * k_mag<F8>(p, kvh)) : fc::alibi_floor(p);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = min(row + 8 * h, rows_total - 1);
+            const int r = min(r0 + wm * 16 + g8 + 8 * h, rows_total - 1);
             const int hl = r / sq, i = r - hl * sq;
             const fc::Alibi alibi(F8 ? fc::alibi_slope_units_at(p, bb, kvh * p.h_ratio + hl, p.scale * k_mag<F8>(p, kvh))
                                      : fc::alibi_slope_units(p, bb, kvh * p.h_ratio + hl),
@@ -682,14 +684,12 @@ struct KvTileLoader {
 };
 
 // The packed Q rows r0 .. r0 + rows_here - 1 of the split kernel's CTA (query head kvh * h_ratio
-// + r / sq, position r % sq of sequence bb, whose first packed row is q0) into the swizzled Q tile
-// at sQ with cp.async (one commit group); padding rows and chunks past dch zero-filled.
+// + r / sq, position r % sq; qg: the sequence's first query row) into the swizzled Q tile at sQ
+// with cp.async (one commit group); padding rows and chunks past dch zero-filled.
 template <typename T, int D, int BM, int W>
-__device__ __forceinline__ void load_q_tile(T* sQ, const FcParams& p, int bb, int q0, int r0, int rows_here, int sq, int kvh,
-                                            int dch) {
+__device__ __forceinline__ void load_q_tile(T* sQ, const FcParams& p, const T* qg, int tid, int r0, int rows_here, int sq,
+                                            int kvh, int dch) {
     constexpr int THREADS = W * 32, CPR = D / 8;
-    const int tid = threadIdx.x;
-    const T* qg = static_cast<const T*>(p.q) + (int64_t)bb * p.q_batch_stride + (int64_t)q0 * p.q_row_stride;
     const int ch = tid % CPR;
 #pragma unroll
     for (int it = 0; it < BM * CPR / THREADS; ++it) {
@@ -722,9 +722,18 @@ __device__ __forceinline__ void split_key_range(int r0, int rows_here, int sq, i
         i_min = r0 % sq;
         i_max = r_last % sq;
     }
-    int lo_cta, hi_cta;  // the union of the rows' bands: [lo(i_min), hi(i_max))
-    fc::band_clamped<MASK>(i_min, diag, sk, wl, wr, lo_cta, hi_all);
-    fc::band_clamped<MASK>(i_max, diag, sk, wl, wr, lo_all, hi_cta);
+    int lo_cta = 0, hi_cta = sk;  // union of the rows' ranges
+    lo_all = 0, hi_all = sk;
+    if (MASK != 0) {
+        if (wr >= 0) {
+            hi_cta = fc::clamp_i(i_max + diag + wr + 1, 0, sk);
+            hi_all = fc::clamp_i(i_min + diag + wr + 1, 0, sk);
+        }
+        if (wl >= 0) {
+            lo_cta = fc::clamp_i(i_min + diag - wl, 0, sk);
+            lo_all = fc::clamp_i(i_max + diag - wl, 0, sk);
+        }
+    }
     t_lo = lo_cta / BN;
     t_hi = (hi_cta + BN - 1) / BN;
     if (hi_cta <= lo_cta) t_hi = t_lo;
@@ -857,7 +866,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
 
     // ---- Q tile -> smem (cp.async, zero-filled padding rows)
-    load_q_tile<T, D, BM, W>(sQ, p, bb, sr.q0, r0, rows_here, sq, kvh, dch);
+    const T* qg = static_cast<const T*>(p.q) + (int64_t)bb * p.q_batch_stride + (int64_t)sr.q0 * p.q_row_stride;
+    load_q_tile<T, D, BM, W>(sQ, p, qg, tid, r0, rows_here, sq, kvh, dch);
 
     // Splits of a paged cache without a window cut the grid's key range (p.sk = the table's
     // width in keys, not this sequence's length): a split's first tile, and so its first pages,
@@ -957,7 +967,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             const int key0 = wn * kpw + c;  // within tile
             float s[2][4];
             qk_step<T, D, Q_IN_REGS>(s, qf, sQ_u, a_row, a_chk, sK_u, key0 + k_row, k_chk);
-            modify_scores<F8>(s, p, t * BN + key0 + 2 * t4, r0 + wm * 16 + g8, rows_total, sq, sk, bb, kvh);
+            modify_scores<F8, BN>(s, p, t, key0, t4, r0, wm, g8, rows_total, sq, sk, bb, kvh);
             if (need_mask) mask_step(s, t * BN + key0 + 2 * t4, row_lo, row_hi);
             // online softmax (two rows per thread: h = 0 -> row g8, h = 1 -> row g8 + 8)
             softmax_step<NT>(s, o, m_run, l_run, sl2);
