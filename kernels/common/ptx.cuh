@@ -18,6 +18,13 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
+// log2(x) with the SFU (lg2.approx.ftz).
+__device__ __forceinline__ float log2_approx(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // ---------------------------------------------------------------- registers
 // x through a volatile move: the compiler cannot fold or hoist what is derived from it, so the
 // value is rebuilt where it is used instead of being held live across a loop.
@@ -116,9 +123,15 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 // Let the dependent grid be scheduled (it still waits for this grid's completion to read).
+// ORDERED: a "memory" clobber (memory accesses stay on their side of it).
+template <bool ORDERED = false>
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    if constexpr (ORDERED) {
+        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    } else {
+        asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    }
 #endif
 }
 

@@ -791,11 +791,9 @@ __host__ __device__ constexpr bool split_shape_ok() {
 template <typename T, int D, int MASK, int BM, int BN, int W, int S, typename KV = T, int PF = 128>
 __device__ __forceinline__ void split_kernel(const FcParams& p) {
     constexpr int THREADS = W * 32;
-    constexpr int CPR = D / 8;   // 16-byte chunks per row of Q (and of 16-bit K/V)
     constexpr bool F8 = sizeof(KV) == 1;
     constexpr int KB = sizeof(KV);     // bytes per stored K/V element
     constexpr int KEL = 16 / KB;       // K/V elements per 16-byte chunk
-    constexpr int KCPR = D / KEL;      // 16-byte chunks per K/V row
     constexpr int KT = D / 16;   // k16 steps of Q.K^T
     constexpr int NT = D / 8;    // n8 tiles of O
     constexpr bool Q_IN_REGS = D <= 128;
