@@ -3,6 +3,8 @@
 #pragma once
 #include <stdint.h>
 #include "params.h"
+#include "mask.cuh"
+#include "variants.cuh"
 
 namespace fc {
 
@@ -12,8 +14,6 @@ struct SeqRange {
     int k0;  // first key row in the packed k / v (0 when dense)
     int sk;  // keys of the sequence
 };
-
-__device__ __forceinline__ int clamp_i(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
 // Sequence bi. Varlen: rows cu[bi]..cu[bi+1] of the packed tensors, clamped into the tensors
 // ([0, total]) and to the grid's bound (p.sq / p.sk = max_seqlen), so whatever the prefix sums
@@ -68,62 +68,21 @@ __device__ __forceinline__ int page_of(const FcParams& p, int bi, int key, int& 
     slot = key - j * ps;
     return clamp_i(__ldg(p.page_table + (int64_t)bi * p.page_table_stride + j), 0, p.total_k / ps - 1);
 }
+// Element offset of row `slot` of page `page` in a pool with (page, row) strides: the one form of
+// a paged K/V address (the head's offset is added by the caller).
+__device__ __forceinline__ int64_t paged_offset(int64_t page, int slot, int64_t page_stride, int64_t row_stride) {
+    return page * page_stride + (int64_t)slot * row_stride;
+}
 __device__ __forceinline__ int64_t paged_row(const FcParams& p, int bi, int key, int64_t page_stride,
                                              int64_t row_stride) {
     int slot;
     const int page = page_of(p, bi, key, slot);
-    return (int64_t)page * page_stride + (int64_t)slot * row_stride;
+    return paged_offset(page, slot, page_stride, row_stride);
 }
 
 // LSE slot of row `row` (of the sequence) for sequence bi, head h.
 __device__ __forceinline__ float* lse_ptr(const FcParams& p, int bi, int h, int q0) {
     return p.lse + (int64_t)bi * p.lse_batch_stride + (int64_t)h * p.lse_head_stride + q0;
-}
-
-// The sink logit of query head h (natural log), or -inf (no sink) without sinks.
-__device__ __forceinline__ float sink_of(const FcParams& p, int h) {
-    return p.sinks != nullptr ? __ldg(p.sinks + h) : -__int_as_float(0x7f800000);
-}
-
-// ALiBi slope of (sequence bi, head h) divided by the kept scores' unit (scale, or softcap), so
-// the kernels subtract slope_u * |j - (i + sk - sq)| from raw scores; 0 without ALiBi.
-// A finite slope saturates at the largest finite float in those units: distance 0 then subtracts
-// exactly 0 (never inf * 0 = NaN) and the other distances a bias that is huge or -inf (weight 0),
-// as the CPU's `slope * dist` overflowing to -inf. A non-finite slope gives NaN, which reaches
-// every score of the head, distance 0 included (the CPU path's rule for such slopes); masked keys
-// are set to -inf after this bias, so rows that see no key still come out empty.
-// `scale`: the softmax scale the scores are kept in (p.scale; an FP8 decode's p.scale times its
-// K scale's magnitude, sm80/decode.cuh).
-__device__ __forceinline__ float alibi_slope_units_at(const FcParams& p, int bi, int h, float scale) {
-    if (p.alibi_slopes == nullptr) return 0.f;
-    const float unit = p.softcap > 0.f ? p.softcap : scale;
-    const float slope = __ldg(p.alibi_slopes + (int64_t)bi * p.alibi_batch_stride + h);
-    constexpr float kMax = 3.40282346638528859812e+38f;
-    if (!(fabsf(slope) <= kMax)) return __int_as_float(0x7fffffff);
-    return fminf(fmaxf(slope / unit, -kMax), kMax);
-}
-__device__ __forceinline__ float alibi_slope_units(const FcParams& p, int bi, int h) {
-    return alibi_slope_units_at(p, bi, h, p.scale);
-}
-
-// Scores with an ALiBi bias are floored at -2^16 in exp2 units (alibi_floor, in the kept scores'
-// unit): a key there already has weight 2^-65536 = 0 against any key the row sees above
-// -2^16 + 150, and the floor keeps a row's running max small: p = exp2(s * sl2 - m * sl2)
-// rounds m * sl2 to f32, which shifts the exponent by up to half an ulp of |m * sl2| (2^-9 at
-// 2^16; at the unfloored -1e33 of a slope of 1e30 it was 2^83: P = inf, NaN rows). A row whose
-// visible keys all lie below the floor (seq_q > seq_k rows before the diagonal under a huge
-// slope, or raw scores past the documented |q.k * scale * log2(e)| < 2^16) averages them.
-__device__ __forceinline__ float alibi_floor_at(const FcParams& p, float scale_log2) {
-    const float unit_log2 = p.softcap > 0.f ? p.softcap * 1.4426950408889634f : scale_log2;
-    return -65536.f / unit_log2;
-}
-__device__ __forceinline__ float alibi_floor(const FcParams& p) { return alibi_floor_at(p, p.scale_log2); }
-
-// Score s minus the ALiBi bias slope_u * dist, floored at lo (alibi_floor). A NaN (a non-finite
-// slope) passes the floor.
-__device__ __forceinline__ float alibi_apply(float s, float slope_u, int dist, float lo) {
-    const float x = s - slope_u * (float)dist;
-    return x < lo ? lo : x;
 }
 
 // The tables' checks, shared by fc_check_seqlens and the split-KV combine. Each returns the

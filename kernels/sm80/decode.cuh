@@ -85,99 +85,18 @@
 #include <stdint.h>
 #include <type_traits>
 #include "common/params.h"
+#include "common/ptx.cuh"
+#include "common/mask.cuh"
+#include "common/variants.cuh"
 #include "common/softmax.cuh"
 #include "common/seqlens.cuh"
 
 namespace fc_decode {
 
-// ---------------------------------------------------------------- PTX helpers
-__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-// PF: L2 prefetch size hint (0: none, 128, 256 bytes).
-template <int PF = 128>
-__device__ __forceinline__ void cp_async16(uint32_t saddr, const void* gptr, bool pred) {
-    const int n = pred ? 16 : 0;  // src-size 0: zero-fill, nothing read
-    if constexpr (PF == 256) {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(n));
-    } else if constexpr (PF == 128) {
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(n));
-    } else {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(n));
-    }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-
-template <typename T> struct Ops;
-template <> struct Ops<__nv_bfloat16> {
-    static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    // lo -> low 16 bits
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        uint32_t r;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-};
-template <> struct Ops<__half> {
-    static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        uint32_t r;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-};
-
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// Programmatic dependent launch (sm_90+; compiled out for sm_8x). Both are no-ops when the grid was
-// not launched with cudaLaunchAttributeProgrammaticStreamSerialization.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::);
-#endif
-}
-
-// Element offset of (row, 16-byte chunk) in a [rows][D] tile of 16-bit elements whose chunks are
-// XOR-swizzled by (row & 7): conflict-free for ldmatrix (8 rows, one chunk) and row-wise stores.
-template <int D>
-__device__ __forceinline__ int swz(int row, int chunk) {
-    return row * D + ((chunk ^ (row & 7)) << 3);
-}
-
-template <int N> struct IntC { static constexpr int value = N; };
-
-__device__ __forceinline__ int clampi(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+// (the shared PTX helpers and dtype traits: common/ptx.cuh)
+using fc::cp_async_wait;
+using fc::smem_addr;
+using fc::swz_elems;
 
 // Balanced splits (p.split_budget > 0; the host sets it for paged / varlen batches of 2..32
 // sequences, no mask: a causal decode of one query row takes the no-mask kernel; in the causal
@@ -260,6 +179,25 @@ __device__ __forceinline__ void e4m3x16_to(const uint4 w, uint4& lo, uint4& hi, 
 }
 
 // ---------------------------------------------------------------- split kernel
+// F8 (e4m3 K/V): the head's scales, read where used (cached loads; held across the key loop they
+// spilled the windowed d128 kernel). Scores are q . k_stored * |k scale| * p.scale: the K scale's
+// sign and a zero scale go into the widened K (`e4m3x2_to`'s flip / keep; a zero scale zeroes K
+// and keeps p.scale), its magnitude into the scale (`k_mag`); the V scale multiplies 1 / L in the
+// epilogue (`v_scale`). The 16-bit kernels keep their own expressions (`F8 ? scaled : plain`).
+template <bool F8>
+__device__ __forceinline__ float k_scale(const FcParams& p, int kvh) {
+    return F8 ? __ldg(p.k_scales + kvh * p.kv_scale_stride) : 1.f;
+}
+template <bool F8>
+__device__ __forceinline__ float k_mag(const FcParams& p, int kvh) {
+    const float ks = k_scale<F8>(p, kvh);
+    return ks == 0.f ? 1.f : fabsf(ks);  // NaN / inf stay NaN / inf: the reference's answer
+}
+template <bool F8>
+__device__ __forceinline__ float v_scale(const FcParams& p, int kvh) {
+    return F8 ? __ldg(p.v_scales + kvh * p.kv_scale_stride) : 1.f;
+}
+
 // Dynamic shared memory of a split kernel: the packed Q tile, then S stages of a K and a V tile
 // of KB-byte elements (the epilogue reuses it); with e4m3 K/V (KB = 1) also one K and one V tile
 // widened to 16 bits, which the tensor-core loop reads (= Variant::smem_bytes()).
@@ -267,550 +205,168 @@ __host__ __device__ constexpr uint32_t split_smem_bytes(int D, int BM, int BN, i
     return (uint32_t)(BM * D * 2 + 2 * S * BN * D * KB + (KB == 1 ? 2 * BN * D * 2 : 0));
 }
 
-// KV: T, or e4m3_t for FP8 K/V (the `_e4m3` kernels): the ring holds K/V tiles of bytes as
-// they are in memory (row-major, unswizzled); after a tile lands each thread widens the chunks
-// it copied into one K and one V tile of T (swizzled as a 16-bit tile), which the loop below
-// reads unchanged. The K scale of the head folds into the softmax scale (its sign and zero
-// into the widened K), the V scale into the final 1 / L: no per-element multiply.
-template <typename T, int D, int MASK, int BM, int BN, int W, int S, typename KV = T, int PF = 128>
-__device__ __forceinline__ void split_kernel(const FcParams& p) {
-    constexpr int THREADS = W * 32;
-    constexpr int CPR = D / 8;   // 16-byte chunks per row of Q (and of 16-bit K/V)
-    constexpr bool F8 = sizeof(KV) == 1;
-    constexpr int KB = sizeof(KV);     // bytes per stored K/V element
-    constexpr int KEL = 16 / KB;       // K/V elements per 16-byte chunk
-    constexpr int KCPR = D / KEL;      // 16-byte chunks per K/V row
-    static_assert(std::is_same<KV, T>::value || std::is_same<KV, e4m3_t>::value, "K/V: T or e4m3");
-    constexpr int KT = D / 16;   // k16 steps of Q.K^T
-    constexpr int NT = D / 8;    // n8 tiles of O
-    constexpr bool Q_IN_REGS = D <= 128;
-    static_assert(D % 64 == 0, "HEAD_DIM must be a multiple of 64");
-    static_assert((W & (W - 1)) == 0 && W >= 1 && W <= 8, "WARPS must be a power of two <= 8");
-    static_assert(BM % 16 == 0 && BM <= 16 * W, "BLOCK_M must be a multiple of 16 and <= 16*WARPS");
-    static_assert(BN % (16 * W) == 0, "BLOCK_N must be a multiple of 16*WARPS");
-    static_assert(S >= 2, "STAGES >= 2");
-    static_assert(THREADS % CPR == 0, "32*WARPS must be a multiple of HEAD_DIM/8");
-    static_assert((BN * CPR) % THREADS == 0 && (BM * CPR) % THREADS == 0, "tile/thread mismatch");
-    static_assert(THREADS % KCPR == 0 && (BN * KCPR) % THREADS == 0, "K/V tile/thread mismatch");
-    // epilogue scratch (per-warp O, m, l) must fit in the dynamic smem
-    static_assert(W * 16 * (D + 8) * 4 + W * 16 * 2 * 4 <= split_smem_bytes(D, BM, BN, S, KB), "epilogue smem");
-
-    extern __shared__ __align__(128) unsigned char fc_decode_smem[];
-    pdl_wait();               // inputs of a preceding kernel (no-op without PDL)
-    pdl_launch_dependents();  // let the combine grid get scheduled early (it waits for our completion)
-    T* sQ = reinterpret_cast<T*>(fc_decode_smem);
-    // S stages of [K tile BN x D][V tile BN x D] of KV elements (addressed in units of T, as
-    // the 16-bit kernels always were); F8: then the widened K and V tiles
-    T* sKV = sQ + BM * D;
-    T* sKw = sKV + S * BN * D * KB;
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g8 = lane >> 2, t4 = lane & 3;
-    const int hq = p.hq;
-    const int row_blocks = (p.h_ratio * p.sq + BM - 1) / BM;  // the grid's (max_seqlen_q) packing
-    const int nsplit = p.num_splits;
-    // Splits vary slowest: the hardware hands out the blocks in order, so every sequence's first
-    // splits come first and a split grid with empty splits (short sequences, balanced splits)
-    // puts its working CTAs one per SM before the empty ones, not two on one SM and none on the
-    // next (equal lengths under balanced splits: b8 x 32k at pages of 64 +2.6 % with the split
-    // fastest).
-    int bid = blockIdx.x;
-    const int rb = bid % row_blocks;
-    bid /= row_blocks;
-    const int kvh = bid % p.hkv;
-    bid /= p.hkv;
-    const int bb = bid % p.b;
-    const int split = bid / p.b;
-    const fc::SeqRange sr = fc::seq_range(p, bb);
-    const int sq = sr.sq, sk = sr.sk;
-    const int rows_total = p.h_ratio * sq;  // this sequence's packed rows
-
-    const int r0 = rb * BM;
-    if (r0 >= rows_total) return;  // a shorter sequence (varlen): the combine skips these rows
-    const bool paged = p.page_table != nullptr;
-    const bool fixed_splits = paged && MASK != 2;  // see `tps`
-    // Paged pools whose pages hold whole key tiles (page_size % BLOCK_N == 0): each warp keeps
-    // 32 consecutive page ids of its sequence from the split's first page on (lane l: page
-    // base + l), clamped into the pool, and reads the next 32 ahead (base + 32 + l); when its
-    // tiles pass base + 32 those take over and the next 32 are read, ~32 pages before use.
-    // (A lookup one tile ahead still stalled: a page-table read issued behind a
-    // tile's copies returns after them when DRAM is saturated, and b8 ran 0.94-0.95x the
-    // contiguous cache.) The first read does not wait for the sequence length (`fixed_splits`).
-    // Windowed kernels take the per-row path (with these registers d128 spilled 36-48 B).
-    // Pages smaller than a tile (16, 32, 48 ...: any multiple of the BN / W rows a warp copies)
-    // take this path too, with the tile's rows dealt out by warp (`warp_rows`): warp w copies
-    // rows [w * BN / W, (w + 1) * BN / W) of the tile, which lie in one page, so the warp looks
-    // up one page per tile instead of one per row (the per-row path's shuffles and 64-bit
-    // address arithmetic per row pass; b64 x 4k at pages of 16 ran 0.945x the contiguous cache
-    // on the H200 that way; decisions.md#paged-decode-page-reads).
-    constexpr int RW = BN / W;  // a warp's rows of a tile when they are dealt out by warp
-    const bool whole_pages = fixed_splits && p.page_size % RW == 0;
-    const bool warp_rows = p.page_size % BN != 0;
-    // this thread's first row of a tile (paged, whole pages; rows then every 32 / CPR with
-    // `warp_rows`, every THREADS / CPR otherwise)
-    auto row_first = [&]() { return warp_rows ? warp * RW + lane / KCPR : tid / KCPR; };
-    const int last_page = paged ? p.total_k / p.page_size - 1 : 0;
-    int pg_base = 0, pg_cur = 0, pg_nxt = 0;
-    auto read_pages = [&](int j) {  // page id j of the sequence (0 past the table's row)
-        return j < p.page_table_stride
-                   ? fc::clamp_i(__ldg(p.page_table + (int64_t)bb * p.page_table_stride + j), 0, last_page)
-                   : 0;
-    };
-    // Balanced splits: the first pages are read for the even split of p.sk into
-    // split_budget / b parts (what equal lengths balance to) while `balanced_tps` runs, and
-    // again below where the balanced split starts elsewhere.
-    const bool balanced = MASK == 0 && p.split_budget > 0;
-    const int spec_splits = balanced ? max(p.split_budget / p.b, 1) : nsplit;
-    if (whole_pages) {
-        // the split's first page (its first tile as `tps` below, before any use of sk)
-        const int tps0 = ((p.sk + BN - 1) / BN + spec_splits - 1) / spec_splits;
-        pg_base = split * tps0 * BN / p.page_size;
-        pg_cur = read_pages(pg_base + lane);
-        pg_nxt = read_pages(pg_base + 32 + lane);
+// Online softmax of one 16-key step of split_kernel (two rows per thread: h = 0 -> row g8,
+// h = 1 -> row g8 + 8): s becomes P (unnormalised), O and the running sums are rescaled.
+template <int NT>
+__device__ __forceinline__ void softmax_step(float (&s)[2][4], float (&o)[NT][4], float (&m_run)[2], float (&l_run)[2],
+                                             float sl2) {
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[h], mx);
+        const float m_safe = (m_new == -INFINITY) ? 0.f : m_new;
+        alpha[h] = fc::exp2_approx((m_run[h] - m_safe) * sl2);
+        m_run[h] = m_new;
+        const float ms = m_safe * sl2;
+        float rs = 0.f;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            s[n][2 * h] = fc::exp2_approx(fmaf(s[n][2 * h], sl2, -ms));
+            s[n][2 * h + 1] = fc::exp2_approx(fmaf(s[n][2 * h + 1], sl2, -ms));
+            rs += s[n][2 * h] + s[n][2 * h + 1];
+        }
+        l_run[h] = fmaf(l_run[h], alpha[h], rs);
     }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+    }
+}
 
-    const int dch = p.d / 8;
-    const int kdch = F8 ? p.d / KEL : dch;  // F8: the host passes p.d % 16 == 0
-    const int rows_here = min(BM, rows_total - r0);
+// S = Q K^T for one 16-key step of split_kernel (one m16 row tile, two n8 key tiles): Q from
+// registers (qf, Q_IN_REGS) or from its swizzled tile at sQ_u (row a_row, chunk + a_chk); K rows
+// from k_row of the tile at sK_u (chunk + k_chk).
+template <typename T, int D, bool Q_IN_REGS, int QK>
+__device__ __forceinline__ void qk_step(float (&s)[2][4], const uint32_t (&qf)[QK][4], uint32_t sQ_u, int a_row, int a_chk,
+                                        uint32_t sK_u, int k_row, int k_chk) {
+    constexpr int KT = D / 16;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+        uint32_t a[4];
+        if constexpr (Q_IN_REGS) {
+            a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
+        } else {
+            fc::ldsm_x4(a[0], a[1], a[2], a[3], sQ_u + 2 * swz_elems<D>(a_row, 2 * kk + a_chk));
+        }
+        uint32_t b0, b1, b2, b3;
+        fc::ldsm_x4(b0, b1, b2, b3, sK_u + 2 * swz_elems<D>(k_row, 2 * kk + k_chk));
+        fc::Elem<T>::template mma<false>(s[0], a, b0, b1);
+        fc::Elem<T>::template mma<false>(s[1], a, b2, b3);
+    }
+}
+
+// Softcap and ALiBi on one 16-key step of split_kernel (fc::Softcap, fc::Alibi), before the
+// mask: keys t * BN + key0 + 2 * t4 + n * 8 + e, this thread's packed rows r0 + wm * 16 + g8 and
+// 8 below (query head kvh * h_ratio + r / sq, position r % sq; the terms are combined inside
+// the ALiBi branch so that no sum of them stays live across the key loop).
+template <bool F8, int BN>
+__device__ __forceinline__ void modify_scores(float (&s)[2][4], const FcParams& p, int t, int key0, int t4, int r0, int wm,
+                                              int g8, int rows_total, int sq, int sk, int bb, int kvh) {
+    if (p.softcap > 0.f) {  // before the mask, as in fwd.cuh softcap_tile
+        // pre recomputed from the parameters here (a volatile copy keeps it from being
+        // hoisted and held across the key loop: d64 causal spilled 4 B on sm_80)
+        float c = p.softcap;
+        asm volatile("mov.b32 %0, %0;" : "+f"(c));
+        const fc::Softcap cap(F8 ? p.scale * k_mag<F8>(p, kvh) : p.scale, c);
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = cap(s[n][e]);
+    }
+    if (p.alibi_slopes != nullptr) {  // before the mask, after softcap (bias in score units)
+        const int kb = t * BN + key0 + 2 * t4;
+        const float lo = F8 ? fc::alibi_floor_at(p, p.scale_log2 * k_mag<F8>(p, kvh)) : fc::alibi_floor(p);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = min(r0 + wm * 16 + g8 + 8 * h, rows_total - 1);
+            const int hl = r / sq, i = r - hl * sq;
+            const fc::Alibi alibi(F8 ? fc::alibi_slope_units_at(p, bb, kvh * p.h_ratio + hl, p.scale * k_mag<F8>(p, kvh))
+                                     : fc::alibi_slope_units(p, bb, kvh * p.h_ratio + hl),
+                                  lo);
+            const int dg = i + sk - sq;
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) s[n][2 * h + e] = alibi(s[n][2 * h + e], kb + n * 8 + e, dg);
+        }
+    }
+}
+
+// O += P V for one 16-key step of split_kernel: P from the S accumulators (C layout == A
+// layout), V rows from v_row of the tile at sV_u (chunk + v_chk), transposed by ldmatrix.
+template <typename T, int D>
+__device__ __forceinline__ void pv_step(float (&o)[D / 8][4], const float (&s)[2][4], uint32_t sV_u, int v_row, int v_chk) {
+    uint32_t pa[4];
+    pa[0] = fc::Elem<T>::pack(s[0][0], s[0][1]);
+    pa[1] = fc::Elem<T>::pack(s[0][2], s[0][3]);
+    pa[2] = fc::Elem<T>::pack(s[1][0], s[1][1]);
+    pa[3] = fc::Elem<T>::pack(s[1][2], s[1][3]);
+#pragma unroll
+    for (int j2 = 0; j2 < D / 16; ++j2) {
+        uint32_t b0, b1, b2, b3;
+        fc::ldsm_x4_trans(b0, b1, b2, b3, sV_u + 2 * swz_elems<D>(v_row, 2 * j2 + v_chk));
+        fc::Elem<T>::template mma<false>(o[2 * j2], pa, b0, b1);
+        fc::Elem<T>::template mma<false>(o[2 * j2 + 1], pa, b2, b3);
+    }
+}
+
+// F8: widens ring slot `ring` (K tile then V tile of e4m3 bytes, row-major) into the 16-bit
+// tiles at sKw (K, then V at + BN * D), swizzled: each thread converts the chunks it copied
+// (load rows as KvTileLoader: dealt out by warp when `by_warp`), the K scale's sign and zero
+// folded in (e4m3x2_to's flip / keep).
+template <typename T, int D, int BN, int W>
+__device__ __forceinline__ void widen_tile(T* sKw, const unsigned char* ring, bool by_warp, float ks) {
+    constexpr int THREADS = W * 32, KCPR = D / 16, RW = BN / W;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const unsigned char* rk = ring;
+    const unsigned char* rv = rk + BN * D;
+    const int rf = by_warp ? warp * RW + lane / KCPR : tid / KCPR;
+    const int step = by_warp ? 32 / KCPR : THREADS / KCPR;
+    const int ch = tid % KCPR;
+    const uint32_t kflip = ks < 0.f ? 0x80008000u : 0u;
+    const uint32_t kkeep = ks == 0.f ? 0u : 0xFFFFFFFFu;
+#pragma unroll
+    for (int i = 0; i < BN * KCPR / THREADS; ++i) {
+        const int row = rf + i * step;
+        uint4 lo, hi;
+        e4m3x16_to<T>(*reinterpret_cast<const uint4*>(rk + row * D + ch * 16), lo, hi, kflip, kkeep);
+        *reinterpret_cast<uint4*>(sKw + swz_elems<D>(row, 2 * ch)) = lo;
+        *reinterpret_cast<uint4*>(sKw + swz_elems<D>(row, 2 * ch + 1)) = hi;
+        e4m3x16_to<T>(*reinterpret_cast<const uint4*>(rv + row * D + ch * 16), lo, hi, 0u, 0xFFFFFFFFu);
+        *reinterpret_cast<uint4*>(sKw + BN * D + swz_elems<D>(row, 2 * ch)) = lo;
+        *reinterpret_cast<uint4*>(sKw + BN * D + swz_elems<D>(row, 2 * ch + 1)) = hi;
+    }
+}
+
+// The warps a split CTA spreads its m16 row tiles over: ceil(rows / 16) rounded up to a power of
+// two (the remaining W / that warps split each K/V tile along keys).
+__device__ __forceinline__ int row_tile_warps(int rows_here) {
     const int mtiles = (rows_here + 15) >> 4;
     int WM = 1;
     while (WM < mtiles) WM <<= 1;
-    const int WN = W / WM;
-    const int wm = warp / WN, wn = warp - wm * WN;
-    const int kpw = BN / WN;  // keys per warp per tile (multiple of 16)
+    return WM;
+}
 
-    // ---- visible key range of this CTA's rows
-    const int diag = sk - sq;
-    const int r_last = r0 + rows_here - 1;
-    int i_min, i_max;
-    if (rows_here >= sq || (r0 / sq) != (r_last / sq)) {
-        i_min = 0;
-        i_max = sq - 1;
-    } else {
-        i_min = r0 % sq;
-        i_max = r_last % sq;
-    }
-    int lo_cta = 0, hi_cta = sk;  // union of the rows' ranges
-    int lo_all = 0, hi_all = sk;  // intersection: tiles inside need no mask
-    int wl = -1, wr = -1;
-    if (MASK == 1) wr = 0;
-    if (MASK == 2) { wl = p.window_left; wr = p.window_right; }
-    if (MASK != 0) {
-        if (wr >= 0) {
-            hi_cta = clampi(i_max + diag + wr + 1, 0, sk);
-            hi_all = clampi(i_min + diag + wr + 1, 0, sk);
-        }
-        if (wl >= 0) {
-            lo_cta = clampi(i_min + diag - wl, 0, sk);
-            lo_all = clampi(i_max + diag - wl, 0, sk);
-        }
-    }
-    int t_lo = lo_cta / BN, t_hi = (hi_cta + BN - 1) / BN;
-    if (hi_cta <= lo_cta) t_hi = t_lo;
-    // ---- per-thread rows (for masks): rows g8 and g8 + 8 of m-tile wm
-    int row_lo[2], row_hi[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = r0 + wm * 16 + g8 + 8 * h;
-        const int i = r % sq;
-        row_lo[h] = 0;
-        row_hi[h] = sk;
-        if (MASK != 0) {
-            if (wr >= 0) row_hi[h] = clampi(i + diag + wr + 1, 0, sk);
-            if (wl >= 0) row_lo[h] = clampi(i + diag - wl, 0, sk);
-        }
-    }
-
-    // ---- global pointers
-    const T* qg = static_cast<const T*>(p.q) + (int64_t)bb * p.q_batch_stride + (int64_t)sr.q0 * p.q_row_stride;
-    // paged (p.page_table): kg / vg are the head's base in the pools; rows through fc::paged_row
-    const KV* kg = static_cast<const KV*>(p.k) + (int64_t)kvh * p.k_head_stride +
-                  (paged ? 0 : (int64_t)bb * p.k_batch_stride + (int64_t)sr.k0 * p.k_row_stride);
-    const KV* vg = static_cast<const KV*>(p.v) + (int64_t)kvh * p.v_head_stride +
-                  (paged ? 0 : (int64_t)bb * p.v_batch_stride + (int64_t)sr.k0 * p.v_row_stride);
-    const int64_t ksr = p.k_row_stride, vsr = p.v_row_stride;
-
-    // ---- Q tile -> smem (cp.async, zero-filled padding rows)
-    {
-        const int ch = tid % CPR;
-#pragma unroll
-        for (int it = 0; it < BM * CPR / THREADS; ++it) {
-            const int row = tid / CPR + it * (THREADS / CPR);
-            const int r = r0 + row;
-            const bool ok = row < rows_here && ch < dch;
-            const T* src = qg;
-            if (ok) {
-                const int hl = r / sq, i = r - hl * sq;
-                src = qg + (int64_t)i * p.q_row_stride + (int64_t)(kvh * p.h_ratio + hl) * p.q_head_stride + ch * 8;
-            }
-            cp_async16(smem_u32(sQ + swz<D>(row, ch)), src, ok);
-        }
-        cp_async_commit();
-    }
-
-    // Splits of a paged cache without a window cut the grid's key range (p.sk = the table's
-    // width in keys, not this sequence's length): a split's first tile, and so its first pages,
-    // are known before the sequence length arrives (`pages` below). A shorter sequence leaves
-    // its last splits empty; the longest split is the same.
-    // The split's tiles are placed after the Q load is out (balanced splits read the lengths).
-    const int tps = balanced ? balanced_tps<BN>(p, nsplit) : ((fixed_splits ? (p.sk + BN - 1) / BN : t_hi - t_lo) + nsplit - 1) / nsplit;
-    const int t_first = t_lo + split * tps;  // fixed_splits: t_lo = 0
-    if (balanced && whole_pages && t_first * BN / p.page_size != pg_base) {
-        pg_base = t_first * BN / p.page_size;
-        pg_cur = read_pages(pg_base + lane);
-        pg_nxt = read_pages(pg_base + 32 + lane);
-    }
-    const int t_begin = min(t_first, t_hi);
-    const int t_end = min(t_begin + tps, t_hi);
-    // An empty split of a split grid (past its sequence's keys: short sequences under even splits
-    // of p.sk, and balanced splits): only LSE = -inf for the combine, which then never reads its
-    // partial O; no tiles, no epilogue (the Q copy in flight is waited for). (Not in the windowed
-    // kernels: d256 spilled 28 B on sm_80.)
-    if (MASK != 2 && nsplit > 1 && t_begin >= t_end) {
-        cp_async_wait<0>();
-        for (int r = tid; r < rows_here; r += THREADS) {
-            const int rr = r0 + r, hl = rr / sq, i = rr - hl * sq;
-            p.lse_partial[(((int64_t)split * p.b + bb) * hq + kvh * p.h_ratio + hl) * p.sq + i] = -INFINITY;
-        }
-        return;
-    }
-
-    // Paged: the page and slot of one row per lane for the next tile, looked up one tile ahead
-    // so that the page-table read's latency hides behind a tile's copy (see load_tile). Rows are
-    // looked up within the table's width (p.sk), not the sequence's length: the lookup does not
-    // wait for seqused_k (rows past the length are not copied).
-    int pf_tile = -1, pf_page = 0, pf_slot = 0;
-    auto lookup = [&](int t, int& page, int& slot) {
-        constexpr int TPR = 32 / KCPR, ITERS = BN * KCPR / THREADS;
-        page = 0;
-        slot = 0;
-        if (lane < TPR * ITERS) {
-            const int key = t * BN + warp * TPR + (lane % TPR) + (THREADS / KCPR) * (lane / TPR);
-            if (key < p.sk) page = fc::page_of(p, bb, key, slot);
-        }
-    };
-    // Per-row pages with fixed splits: the split's first tile is known without the sequence's
-    // length, so its lookup goes out beside the seqused_k read instead of after it (at b1, with
-    // the tables in DRAM, one dependent DRAM round trip less in front of the first copy).
-    if (paged && !whole_pages && fixed_splits && t_first < (p.sk + BN - 1) / BN) {
-        lookup(t_first, pf_page, pf_slot);
-        pf_tile = t_first;
-    }
-    // Pages of whole tiles: the element offsets of this thread's first K and V row of tile t
-    // (`ko`, `vo`, from the pools' head base kg / vg), advancing the warp's page ids as needed;
-    // those of the tile after the last one loaded are kept in nx_*.
-    int nx_t = -1;
-    int64_t nx_ko = 0, nx_vo = 0;
-    auto page_offsets = [&](int t, int64_t& ko, int64_t& vo) {
-        const int j = (t * BN + (warp_rows ? warp * RW : 0)) / p.page_size;  // the warp's page
-        while (j >= pg_base + 32) {  // tiles come in order (BN / RW pages per tile at most)
-            pg_base += 32;
-            pg_cur = pg_nxt;
-            pg_nxt = read_pages(pg_base + 32 + lane);
-        }
-        const int64_t page = __shfl_sync(0xffffffffu, pg_cur, j - pg_base);  // j - pg_base < 32
-        const int slot = t * BN - j * p.page_size + row_first();
-        ko = page * p.k_batch_stride + (int64_t)slot * ksr;
-        vo = page * p.v_batch_stride + (int64_t)slot * vsr;
-    };
-    // Shared address of (row, 16-byte chunk) in a ring tile of e4m3 bytes: row-major,
-    // unswizzled (each thread reads back only what it copied, see the widening below). The
-    // 16-bit tiles are swizzled (`swz`); their address arithmetic is kept as it was, and their
-    // kernels' PTX with it (other forms spilled d64 local 8 B on sm_80).
-    auto at8 = [](T* tile, int row, int ch) {
-        return smem_u32(reinterpret_cast<unsigned char*>(tile) + row * D + ch * 16);
-    };
-    auto load_tile = [&](int t, int slot) {
-        T* sK = sKV + slot * (2 * BN * D * KB / 2);  // 2 * BN * D * KB bytes per slot
-        T* sV = sK + BN * D * KB / 2;
-        const int ch = tid % KCPR;
-        const int row0 = tid / KCPR;
-        const int key0 = t * BN + row0;
-        if (whole_pages) {
-            // The warp's rows follow each other in one page (tiles start at multiples of BN),
-            // addressed as in the contiguous cache. Rows past the sequence: zero-filled.
-            constexpr int UNROLL = BN * KCPR / THREADS > 8 ? 4 : BN * KCPR / THREADS;  // as below
-            int64_t ko, vo;
-            if (nx_t == t) {
-                ko = nx_ko;
-                vo = nx_vo;
-            } else {
-                page_offsets(t, ko, vo);
-            }
-            const KV* kp = kg + ko + ch * KEL;
-            const KV* vp = vg + vo + ch * KEL;
-            // the rows' copies, with the step between a thread's rows a compile-time constant
-            // (as a runtime value it cost pages of 64 0.5-1 %)
-            auto copy_rows = [&](auto step_c, int rf) {
-                constexpr int STEP = decltype(step_c)::value;
-                const KV* kpi = kp;
-                const KV* vpi = vp;
-#pragma unroll UNROLL
-                for (int it = 0; it < BN * KCPR / THREADS; ++it) {
-                    const int row = rf + it * STEP;
-                    const bool ok = t * BN + row < sk && ch < kdch;
-                    cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), ok ? kpi : kg, ok);
-                    cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), ok ? vpi : vg, ok);
-                    kpi += STEP * ksr;
-                    vpi += STEP * vsr;
-                }
-            };
-            if (warp_rows) {
-                copy_rows(IntC<32 / KCPR>{}, row_first());
-            } else {
-                copy_rows(IntC<THREADS / KCPR>{}, row_first());
-            }
-            // the next tile's rows, while these copies are in flight: its issue is then only
-            // the copies, as in the contiguous cache (the page arithmetic in front of every
-            // tile's copies lengthened each tile's round trip)
-            page_offsets(t + 1, nx_ko, nx_vo);
-            nx_t = t + 1;
-            return;
-        }
-        if (paged) {
-            // Every row through the page table (rows past the sequence: zero-filled). The warp's
-            // rows of this tile (TPR per pass, ITERS passes: at most 32) get their page looked up
-            // once, one row per lane, all lanes at once, one tile ahead (`lookup`); each pass
-            // takes its row's page and slot by shuffle. (A lookup per pass put ITERS dependent
-            // page-table loads, mostly L2 misses, in front of every tile: b1/b8 decode ran
-            // 0.6-0.8x the contiguous cache; one lookup per tile, not ahead: 0.82-0.90x.)
-            constexpr int TPR = 32 / KCPR;  // distinct rows of a warp per pass
-            constexpr int ITERS = BN * KCPR / THREADS;
-            static_assert(32 % KCPR == 0 && TPR * ITERS <= 32, "paged decode: one row per lane");
-            // d256 (16 passes) unrolled by 4: unrolled fully its tiles spilled 12-24 B
-            constexpr int UNROLL = ITERS > 8 ? 4 : ITERS;
-            int my_page, my_slot;
-            if (pf_tile == t) {
-                my_page = pf_page;
-                my_slot = pf_slot;
-            } else {
-                lookup(t, my_page, my_slot);
-            }
-            lookup(t + 1, pf_page, pf_slot);  // tiles load in order: the next call's
-            pf_tile = t + 1;
-#pragma unroll UNROLL
-            for (int it = 0; it < ITERS; ++it) {
-                const int row = row0 + it * (THREADS / KCPR);
-                const int key = key0 + it * (THREADS / KCPR);
-                const bool ok = key < sk && ch < kdch;
-                const int src = lane / KCPR + TPR * it;
-                const int64_t page = __shfl_sync(0xffffffffu, my_page, src);
-                const int slot = __shfl_sync(0xffffffffu, my_slot, src);
-                const KV* kp = ok ? kg + page * p.k_batch_stride + (int64_t)slot * ksr + ch * KEL : kg;
-                const KV* vp = ok ? vg + page * p.v_batch_stride + (int64_t)slot * vsr + ch * KEL : vg;
-                cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), kp, ok);
-                cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), vp, ok);
-            }
-            return;
-        }
-        const KV* kp = kg + (int64_t)key0 * ksr + ch * KEL;
-        const KV* vp = vg + (int64_t)key0 * vsr + ch * KEL;
-#pragma unroll
-        for (int it = 0; it < BN * KCPR / THREADS; ++it) {
-            const int row = row0 + it * (THREADS / KCPR);
-            const bool ok = key0 + it * (THREADS / KCPR) < sk && ch < kdch;
-            const int64_t ko = (int64_t)it * (THREADS / KCPR) * ksr;
-            const int64_t vo = (int64_t)it * (THREADS / KCPR) * vsr;
-            cp_async16<PF>(F8 ? at8(sK, row, ch) : smem_u32(sK + swz<D>(row, ch)), ok ? kp + ko : kg, ok);
-            cp_async16<PF>(F8 ? at8(sV, row, ch) : smem_u32(sV + swz<D>(row, ch)), ok ? vp + vo : vg, ok);
-        }
-    };
-
-    // ---- prologue (F8 rings are deeper: their copies of `load_tile` unrolled spilled d128 on
-    // sm_80)
-    if constexpr (F8) {
-#pragma unroll 1
-        for (int s = 0; s < S - 1; ++s) {
-            if (t_begin + s < t_end) load_tile(t_begin + s, s);
-            cp_async_commit();
-        }
-    } else {
-#pragma unroll
-        for (int s = 0; s < S - 1; ++s) {
-            if (t_begin + s < t_end) load_tile(t_begin + s, s);
-            cp_async_commit();
-        }
-    }
-    cp_async_wait<S - 1>();  // Q group landed
-    __syncthreads();
-
-    const uint32_t sQ_u = smem_u32(sQ);
-    // ldmatrix lane offsets
-    const int a_row = wm * 16 + (lane & 15);      // Q (A operand)
-    const int a_chk = lane >> 4;                  // + 2*kk
-    const int k_row = (lane & 7) + ((lane >> 4) << 3);  // K (B operand, non-trans) + key0
-    const int k_chk = (lane >> 3) & 1;                  // + 2*kk
-    const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3);  // V (B operand, trans) + key0
-    const int v_chk = lane >> 4;                              // + 2*j2
-
-    uint32_t qf[Q_IN_REGS ? KT : 1][4];
-    if constexpr (Q_IN_REGS) {
-#pragma unroll
-        for (int kk = 0; kk < KT; ++kk)
-            ldsm_x4(sQ_u + 2 * swz<D>(a_row, 2 * kk + a_chk), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
-    }
-
-    float o[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY};
-    float l_run[2] = {0.f, 0.f};
-    // F8: the head's scales, read where used (cached loads; held across the loop they spilled
-    // the windowed d128 kernel). Scores are q . k_stored * |k scale| * p.scale: the K scale's
-    // sign and a zero scale go into the widened K (`e4m3x2_to`'s flip / keep; a zero scale
-    // zeroes K and keeps p.scale), its magnitude into the scale (`kmag`); the V scale multiplies
-    // 1 / L in the epilogue (`vscale`). The 16-bit kernels keep their own expressions
-    // (`F8 ? scaled : plain` below).
-    auto kscale = [&]() { return F8 ? __ldg(p.k_scales + kvh * p.kv_scale_stride) : 1.f; };
-    auto kmag = [&]() {
-        const float ks = kscale();
-        return ks == 0.f ? 1.f : fabsf(ks);  // NaN / inf stay NaN / inf: the reference's answer
-    };
-    auto vscale = [&]() { return F8 ? __ldg(p.v_scales + kvh * p.kv_scale_stride) : 1.f; };
-    const float sl2 = fc::score_unit_log2(F8 ? p.scale_log2 * kmag() : p.scale_log2, p.softcap);
-
-    // ---- main loop over this split's tiles
-    for (int t = t_begin; t < t_end; ++t) {
-        const int it = t - t_begin;
-        // Issue the next tile BEFORE waiting for tile t, so that while this CTA stalls on tile t,
-        // S tiles (not S - 1) are in flight.
-        if (it > 0) __syncthreads();  // every warp is done with slot (it - 1) % S
-        {
-            const int tn = t + S - 1;
-            if (tn < t_end) load_tile(tn, (it + S - 1) % S);
-            cp_async_commit();
-        }
-        cp_async_wait<S - 1>();  // tile t landed (tiles t+1 .. t+S-1 may be pending)
-        if constexpr (F8) {
-            const int slot = it % S;
-            // Each thread widens the chunks of tile t it copied itself (visible to it after the
-            // wait; the rows of `load_tile`) into the single widened K / V tiles, which every
-            // warp finished reading before the barrier at the top of this iteration.
-            const unsigned char* rk = reinterpret_cast<const unsigned char*>(sKV) + slot * (2 * BN * D);
-            const unsigned char* rv = rk + BN * D;
-            const bool by_warp = whole_pages && warp_rows;
-            const int rf = by_warp ? warp * RW + lane / KCPR : tid / KCPR;
-            const int step = by_warp ? 32 / KCPR : THREADS / KCPR;
-            const int ch = tid % KCPR;
-            const float ks = kscale();
-            const uint32_t kflip = ks < 0.f ? 0x80008000u : 0u;
-            const uint32_t kkeep = ks == 0.f ? 0u : 0xFFFFFFFFu;
-#pragma unroll
-            for (int i = 0; i < BN * KCPR / THREADS; ++i) {
-                const int row = rf + i * step;
-                uint4 lo, hi;
-                e4m3x16_to<T>(*reinterpret_cast<const uint4*>(rk + row * D + ch * 16), lo, hi, kflip, kkeep);
-                *reinterpret_cast<uint4*>(sKw + swz<D>(row, 2 * ch)) = lo;
-                *reinterpret_cast<uint4*>(sKw + swz<D>(row, 2 * ch + 1)) = hi;
-                e4m3x16_to<T>(*reinterpret_cast<const uint4*>(rv + row * D + ch * 16), lo, hi, 0u, 0xFFFFFFFFu);
-                *reinterpret_cast<uint4*>(sKw + BN * D + swz<D>(row, 2 * ch)) = lo;
-                *reinterpret_cast<uint4*>(sKw + BN * D + swz<D>(row, 2 * ch + 1)) = hi;
-            }
-        }
-        __syncthreads();  // tile t (F8: widened) is visible to all warps
-        const int slot = it % S;
-        const uint32_t sK_u = F8 ? smem_u32(sKw) : smem_u32(sKV + slot * (2 * BN * D));
-        const uint32_t sV_u = sK_u + BN * D * 2;
-        const bool need_mask = (t * BN < lo_all) || ((t + 1) * BN > hi_all);
-
-        for (int c = 0; c < kpw; c += 16) {
-            const int key0 = wn * kpw + c;  // within tile
-            float s[2][4];
-#pragma unroll
-            for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < KT; ++kk) {
-                uint32_t a[4];
-                if constexpr (Q_IN_REGS) {
-                    a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
-                } else {
-                    ldsm_x4(sQ_u + 2 * swz<D>(a_row, 2 * kk + a_chk), a[0], a[1], a[2], a[3]);
-                }
-                uint32_t b0, b1, b2, b3;
-                ldsm_x4(sK_u + 2 * swz<D>(key0 + k_row, 2 * kk + k_chk), b0, b1, b2, b3);
-                Ops<T>::mma(s[0], a, b0, b1);
-                Ops<T>::mma(s[1], a, b2, b3);
-            }
-            if (p.softcap > 0.f) {  // before the mask, as in fwd.cuh softcap_tile
-                // pre recomputed from the parameters here (a volatile copy keeps it from being
-                // hoisted and held across the key loop: d64 causal spilled 4 B on sm_80)
-                float c = p.softcap;
-                asm volatile("mov.b32 %0, %0;" : "+f"(c));
-                const float pre = __fdividef(F8 ? p.scale * kmag() : p.scale, c);
-#pragma unroll
-                for (int n = 0; n < 2; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[n][e] = fc::softcap_tanh(s[n][e] * pre);
-            }
-            if (p.alibi_slopes != nullptr) {  // before the mask, after softcap (bias in score units)
-                const int kb = t * BN + key0 + 2 * t4;
-                const float lo = F8 ? fc::alibi_floor_at(p, p.scale_log2 * kmag()) : fc::alibi_floor(p);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = min(r0 + wm * 16 + g8 + 8 * h, rows_total - 1);
-                    const int hl = r / sq, i = r - hl * sq;
-                    const float sl = F8 ? fc::alibi_slope_units_at(p, bb, kvh * p.h_ratio + hl, p.scale * kmag())
-                                        : fc::alibi_slope_units(p, bb, kvh * p.h_ratio + hl);
-                    const int dg = i + sk - sq;
-#pragma unroll
-                    for (int n = 0; n < 2; ++n)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) s[n][2 * h + e] = fc::alibi_apply(s[n][2 * h + e], sl, abs(kb + n * 8 + e - dg), lo);
-                }
-            }
-            if (need_mask) {
-                const int kb = t * BN + key0 + 2 * t4;
-#pragma unroll
-                for (int n = 0; n < 2; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = kb + n * 8 + (e & 1);
-                        const int h = e >> 1;
-                        if (key < row_lo[h] || key >= row_hi[h]) s[n][e] = -INFINITY;
-                    }
-            }
-            // online softmax (two rows per thread: h = 0 -> row g8, h = 1 -> row g8 + 8)
-            float alpha[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(m_run[h], mx);
-                const float m_safe = (m_new == -INFINITY) ? 0.f : m_new;
-                alpha[h] = ex2((m_run[h] - m_safe) * sl2);
-                m_run[h] = m_new;
-                const float ms = m_safe * sl2;
-                float rs = 0.f;
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    s[n][2 * h] = ex2(fmaf(s[n][2 * h], sl2, -ms));
-                    s[n][2 * h + 1] = ex2(fmaf(s[n][2 * h + 1], sl2, -ms));
-                    rs += s[n][2 * h] + s[n][2 * h + 1];
-                }
-                l_run[h] = fmaf(l_run[h], alpha[h], rs);
-            }
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
-                o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
-            }
-            uint32_t pa[4];
-            pa[0] = Ops<T>::pack(s[0][0], s[0][1]);
-            pa[1] = Ops<T>::pack(s[0][2], s[0][3]);
-            pa[2] = Ops<T>::pack(s[1][0], s[1][1]);
-            pa[3] = Ops<T>::pack(s[1][2], s[1][3]);
-#pragma unroll
-            for (int j2 = 0; j2 < D / 16; ++j2) {
-                uint32_t b0, b1, b2, b3;
-                ldsm_x4_t(sV_u + 2 * swz<D>(key0 + v_row, 2 * j2 + v_chk), b0, b1, b2, b3);
-                Ops<T>::mma(o[2 * j2], pa, b0, b1);
-                Ops<T>::mma(o[2 * j2 + 1], pa, b2, b3);
-            }
-        }
-    }
-
-    // ---- epilogue: merge the warps' partial softmax states through smem
+// Epilogue of split_kernel: the warps of a row tile (WN of them, each with its own online
+// softmax over its share of the keys) merge through shared memory (the K/V ring, no longer read);
+// each row's O and LSE go to the output (one split) or to the split's partial rows (the combine
+// reads them). q0: the sequence's first packed query row.
+template <typename T, int D, int W, bool F8>
+__device__ __forceinline__ void split_epilogue(const FcParams& p, float (&o)[D / 8][4], float (&m_run)[2],
+                                               float (&l_run)[2], float sl2, int rows_here, int r0,
+                                               int sq, int bb, int kvh, int split, int q0, int dch, int hq,
+                                               int nsplit, int tid, int warp, int g8, int t4) {
+    constexpr int THREADS = W * 32;
+    constexpr int CPR = D / 8;
+    constexpr int NT = D / 8;
+    extern __shared__ __align__(128) unsigned char fc_decode_smem[];
+    const int WN = W / row_tile_warps(rows_here);
     cp_async_wait<0>();
     __syncthreads();
     constexpr int OSTR = D + 8;  // padded f32 row stride
@@ -833,8 +389,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
     __syncthreads();
 
-    const float scale = fc::score_unit(F8 ? p.scale * kmag() : p.scale, p.softcap);
-    const float vsc = vscale();
+    const float scale = fc::score_unit(F8 ? p.scale * k_mag<F8>(p, kvh) : p.scale, p.softcap);
+    const float vsc = v_scale<F8>(p, kvh);
     const int B = p.b;
     for (int item = tid; item < rows_here * CPR; item += THREADS) {
         const int rl = item / CPR, ch = item - rl * CPR;
@@ -845,7 +401,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         float L = 0.f;
         for (int w = 0; w < WN; ++w) {
             const float* ml = sML + ((mt * WN + w) * 16 + rr) * 2;
-            L += ml[1] * ex2((ml[0] - Ms) * sl2);
+            L += ml[1] * fc::exp2_approx((ml[0] - Ms) * sl2);
         }
         const float inv = L > 0.f ? (F8 ? vsc / L : 1.f / L) : 0.f;  // F8: the V scale, once
         float acc[8];
@@ -853,7 +409,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         for (int e = 0; e < 8; ++e) acc[e] = 0.f;
         for (int w = 0; w < WN; ++w) {
             const float* ml = sML + ((mt * WN + w) * 16 + rr) * 2;
-            const float f = ex2((ml[0] - Ms) * sl2) * inv;
+            const float f = fc::exp2_approx((ml[0] - Ms) * sl2) * inv;
             const float* src = sO + ((mt * WN + w) * 16 + rr) * OSTR + ch * 8;
             const float4 x0 = *reinterpret_cast<const float4*>(src);
             const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
@@ -881,15 +437,15 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
         }
         if (nsplit == 1) {
             if (ch >= dch) continue;  // padded columns (p.d < HEAD_DIM)
-            T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
+            T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(q0 + i) * p.o_row_stride +
                     (int64_t)h * p.o_head_stride + ch * 8;
             uint4 u;
-            u.x = Ops<T>::pack(acc[0], acc[1]);
-            u.y = Ops<T>::pack(acc[2], acc[3]);
-            u.z = Ops<T>::pack(acc[4], acc[5]);
-            u.w = Ops<T>::pack(acc[6], acc[7]);
+            u.x = fc::Elem<T>::pack(acc[0], acc[1]);
+            u.y = fc::Elem<T>::pack(acc[2], acc[3]);
+            u.z = fc::Elem<T>::pack(acc[4], acc[5]);
+            u.w = fc::Elem<T>::pack(acc[6], acc[7]);
             *reinterpret_cast<uint4*>(od) = u;
-            if (ch == 0) fc::lse_ptr(p, bb, h, sr.q0)[i] = lse;
+            if (ch == 0) fc::lse_ptr(p, bb, h, q0)[i] = lse;
         } else {
             const int64_t prow = (((int64_t)split * B + bb) * hq + h) * p.sq + i;
             float* od = p.o_partial + prow * D + ch * 8;
@@ -898,6 +454,528 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             if (ch == 0) p.lse_partial[prow] = lse;
         }
     }
+}
+
+// Shared address of (row, 16-byte chunk) in a ring tile of e4m3 bytes: row-major, unswizzled
+// (each thread reads back only what it copied, see widen_tile). The 16-bit tiles are swizzled
+// (swz_elems); their address arithmetic is kept as it was, and their kernels' PTX with it (other
+// forms spilled d64 local 8 B on sm_80).
+template <int D, typename T>
+__device__ __forceinline__ uint32_t ring_addr8(T* tile, int row, int ch) {
+    return smem_addr(reinterpret_cast<unsigned char*>(tile) + row * D + ch * 16);
+}
+
+// The head's K and V base of sequence bb, kv head kvh: the head's rows in a paged pool (rows
+// then through the page table), else the sequence's first key row.
+template <typename KV>
+__device__ __forceinline__ void kv_head_base(const FcParams& p, int bb, int kvh, const fc::SeqRange& sr, const KV*& kg,
+                                             const KV*& vg) {
+    const bool paged = p.page_table != nullptr;
+    kg = static_cast<const KV*>(p.k) + (int64_t)kvh * p.k_head_stride +
+         (paged ? 0 : (int64_t)bb * p.k_batch_stride + (int64_t)sr.k0 * p.k_row_stride);
+    vg = static_cast<const KV*>(p.v) + (int64_t)kvh * p.v_head_stride +
+         (paged ? 0 : (int64_t)bb * p.v_batch_stride + (int64_t)sr.k0 * p.v_row_stride);
+}
+
+// The split kernel's K / V tile loads into its cp.async ring, one of three ways:
+//  * contiguous caches: rows key0, key0 + THREADS / KCPR, ... of the head's rows;
+//  * paged pools whose pages hold whole runs of a warp's rows (`whole_pages`: paged, no window,
+//    page_size a multiple of BN / W): each warp keeps 32 consecutive page ids of its sequence
+//    from the split's first page on (lane l: page base + l), clamped into the pool, and reads
+//    the next 32 ahead (base + 32 + l); when its tiles pass base + 32 those take over and the
+//    next 32 are read, ~32 pages before use. (A lookup one tile ahead still stalled: a
+//    page-table read issued behind a tile's copies returns after them when DRAM is saturated,
+//    and b8 ran 0.94-0.95x the contiguous cache.) The first read does not wait for the sequence
+//    length. Pages smaller than a tile (16, 32, 48 ...: any multiple of the BN / W rows a warp
+//    copies) take this path too, with the tile's rows dealt out by warp (`warp_rows`): warp w
+//    copies rows [w * BN / W, (w + 1) * BN / W) of the tile, which lie in one page, so the warp
+//    looks up one page per tile instead of one per row (the per-row path's shuffles and 64-bit
+//    address arithmetic per row pass; b64 x 4k at pages of 16 ran 0.945x the contiguous cache on
+//    the H200 that way; decisions.md#paged-decode-page-reads). Windowed kernels take the per-row
+//    path (with these registers d128 spilled 36-48 B);
+//  * other paged pools: every row through the page table, the pages of a tile looked up one
+//    tile ahead, one row per lane.
+// Rows past the sequence (sk) and chunks past kdch are zero-filled. Tiles load in order.
+template <typename T, typename KV, int D, int BN, int W, int PF>
+struct KvTileLoader {
+    static constexpr int THREADS = W * 32;
+    static constexpr bool F8 = sizeof(KV) == 1;
+    static constexpr int KB = sizeof(KV);  // bytes per stored K/V element
+    static constexpr int KEL = 16 / KB;    // K/V elements per 16-byte chunk
+    static constexpr int KCPR = D / KEL;   // 16-byte chunks per K/V row
+    static constexpr int RW = BN / W;      // a warp's rows of a tile when they are dealt out by warp
+
+    const FcParams& p;
+    T* sKV;          // the ring: S slots of [K tile][V tile] of KV elements (addressed in T)
+    const KV* kg;    // the head's K / V base (kv_head_base)
+    const KV* vg;
+    int64_t ksr, vsr;
+    int bb, sk, kdch;
+    bool paged, whole_pages, warp_rows;
+    int tid, lane, warp;
+    int last_page;
+    // whole pages: the warp's window of page ids (lane l: page pg_base + l; the next 32 in pg_nxt)
+    int pg_base = 0, pg_cur = 0, pg_nxt = 0;
+    // per-row pages: tile pf_tile's page and slot of this lane's row, looked up ahead
+    int pf_tile = -1, pf_page = 0, pf_slot = 0;
+    // whole pages: the element offsets of this thread's first K and V row of tile nx_t
+    int nx_t = -1;
+    int64_t nx_ko = 0, nx_vo = 0;
+
+    __device__ __forceinline__ KvTileLoader(const FcParams& p_, T* sKV_, const KV* kg_, const KV* vg_, int bb_, int sk_,
+                                            int kdch_, bool whole_pages_, bool warp_rows_)
+        : p(p_), sKV(sKV_), kg(kg_), vg(vg_), ksr(p_.k_row_stride), vsr(p_.v_row_stride), bb(bb_), sk(sk_),
+          kdch(kdch_), paged(p_.page_table != nullptr), whole_pages(whole_pages_), warp_rows(warp_rows_),
+          tid(threadIdx.x), lane(threadIdx.x & 31), warp(threadIdx.x >> 5),
+          last_page(p_.page_table != nullptr ? p_.total_k / p_.page_size - 1 : 0) {}
+
+    // this thread's first row of a tile (whole pages; rows then every 32 / KCPR with
+    // `warp_rows`, every THREADS / KCPR otherwise)
+    __device__ __forceinline__ int row_first() const { return warp_rows ? warp * RW + lane / KCPR : tid / KCPR; }
+    // page id j of the sequence (0 past the table's row), clamped into the pool
+    __device__ __forceinline__ int read_pages(int j) const {
+        return j < p.page_table_stride
+                   ? fc::clamp_i(__ldg(p.page_table + (int64_t)bb * p.page_table_stride + j), 0, last_page)
+                   : 0;
+    }
+    // whole pages: the window from page `base` on
+    __device__ __forceinline__ void seek_pages(int base) {
+        pg_base = base;
+        pg_cur = read_pages(pg_base + lane);
+        pg_nxt = read_pages(pg_base + 32 + lane);
+    }
+    // Per-row pages: the page and slot of one row per lane of tile t. Rows are looked up within
+    // the table's width (p.sk), not the sequence's length: the lookup does not wait for
+    // seqused_k (rows past the length are not copied).
+    __device__ __forceinline__ void lookup(int t, int& page, int& slot) const {
+        constexpr int TPR = 32 / KCPR, ITERS = BN * KCPR / THREADS;
+        page = 0;
+        slot = 0;
+        if (lane < TPR * ITERS) {
+            const int key = t * BN + warp * TPR + (lane % TPR) + (THREADS / KCPR) * (lane / TPR);
+            if (key < p.sk) page = fc::page_of(p, bb, key, slot);
+        }
+    }
+    // Per-row pages: tile t's lookup ahead of its load.
+    __device__ __forceinline__ void prefetch_rows(int t) {
+        lookup(t, pf_page, pf_slot);
+        pf_tile = t;
+    }
+    // Whole pages: the element offsets of this thread's first K and V row of tile t (from kg /
+    // vg), advancing the warp's page ids as needed.
+    __device__ __forceinline__ void page_offsets(int t, int64_t& ko, int64_t& vo) {
+        const int j = (t * BN + (warp_rows ? warp * RW : 0)) / p.page_size;  // the warp's page
+        while (j >= pg_base + 32) {  // tiles come in order (BN / RW pages per tile at most)
+            pg_base += 32;
+            pg_cur = pg_nxt;
+            pg_nxt = read_pages(pg_base + 32 + lane);
+        }
+        const int64_t page = __shfl_sync(0xffffffffu, pg_cur, j - pg_base);  // j - pg_base < 32
+        const int slot = t * BN - j * p.page_size + row_first();
+        ko = fc::paged_offset(page, slot, p.k_batch_stride, ksr);
+        vo = fc::paged_offset(page, slot, p.v_batch_stride, vsr);
+    }
+    __device__ __forceinline__ uint32_t addr(T* tile, int row, int ch) const {
+        return F8 ? ring_addr8<D>(tile, row, ch) : smem_addr(tile + swz_elems<D>(row, ch));
+    }
+
+    // Tile t into ring slot `slot`.
+    __device__ __forceinline__ void load(int t, int slot) {
+        T* sK = sKV + slot * (2 * BN * D * KB / 2);  // 2 * BN * D * KB bytes per slot
+        T* sV = sK + BN * D * KB / 2;
+        const int ch = tid % KCPR;
+        const int row0 = tid / KCPR;
+        const int key0 = t * BN + row0;
+        if (whole_pages) {
+            load_whole_pages(t, sK, sV, ch);
+        } else if (paged) {
+            load_paged_rows(t, sK, sV, ch, row0, key0);
+        } else {
+            load_dense(sK, sV, ch, row0, key0);
+        }
+    }
+    // The warp's rows follow each other in one page (tiles start at multiples of BN), addressed
+    // as in the contiguous cache.
+    __device__ __forceinline__ void load_whole_pages(int t, T* sK, T* sV, int ch) {
+        constexpr int UNROLL = BN * KCPR / THREADS > 8 ? 4 : BN * KCPR / THREADS;  // as load_paged_rows
+        int64_t ko, vo;
+        if (nx_t == t) {
+            ko = nx_ko;
+            vo = nx_vo;
+        } else {
+            page_offsets(t, ko, vo);
+        }
+        const KV* kp = kg + ko + ch * KEL;
+        const KV* vp = vg + vo + ch * KEL;
+        // the rows' copies, with the step between a thread's rows a compile-time constant (as a
+        // runtime value it cost pages of 64 0.5-1 %)
+        auto copy_rows = [&](auto step_c, int rf) {
+            constexpr int STEP = decltype(step_c)::value;
+            const KV* kpi = kp;
+            const KV* vpi = vp;
+#pragma unroll UNROLL
+            for (int it = 0; it < BN * KCPR / THREADS; ++it) {
+                const int row = rf + it * STEP;
+                const bool ok = t * BN + row < sk && ch < kdch;
+                fc::cp_async16<PF, false>(addr(sK, row, ch), ok ? kpi : kg, ok ? 16 : 0);
+                fc::cp_async16<PF, false>(addr(sV, row, ch), ok ? vpi : vg, ok ? 16 : 0);
+                kpi += STEP * ksr;
+                vpi += STEP * vsr;
+            }
+        };
+        if (warp_rows) {
+            copy_rows(std::integral_constant<int, 32 / KCPR>{}, row_first());
+        } else {
+            copy_rows(std::integral_constant<int, THREADS / KCPR>{}, row_first());
+        }
+        // the next tile's rows, while these copies are in flight: its issue is then only the
+        // copies, as in the contiguous cache (the page arithmetic in front of every tile's
+        // copies lengthened each tile's round trip)
+        page_offsets(t + 1, nx_ko, nx_vo);
+        nx_t = t + 1;
+    }
+    // Every row through the page table. The warp's rows of this tile (TPR per pass, ITERS
+    // passes: at most 32) get their page looked up once, one row per lane, all lanes at once,
+    // one tile ahead (`lookup`); each pass takes its row's page and slot by shuffle. (A lookup
+    // per pass put ITERS dependent page-table loads, mostly L2 misses, in front of every tile:
+    // b1/b8 decode ran 0.6-0.8x the contiguous cache; one lookup per tile, not ahead: 0.82-0.90x.)
+    __device__ __forceinline__ void load_paged_rows(int t, T* sK, T* sV, int ch, int row0, int key0) {
+        constexpr int TPR = 32 / KCPR;  // distinct rows of a warp per pass
+        constexpr int ITERS = BN * KCPR / THREADS;
+        static_assert(32 % KCPR == 0 && TPR * ITERS <= 32, "paged decode: one row per lane");
+        // d256 (16 passes) unrolled by 4: unrolled fully its tiles spilled 12-24 B
+        constexpr int UNROLL = ITERS > 8 ? 4 : ITERS;
+        int my_page, my_slot;
+        if (pf_tile == t) {
+            my_page = pf_page;
+            my_slot = pf_slot;
+        } else {
+            lookup(t, my_page, my_slot);
+        }
+        lookup(t + 1, pf_page, pf_slot);  // tiles load in order: the next call's
+        pf_tile = t + 1;
+#pragma unroll UNROLL
+        for (int it = 0; it < ITERS; ++it) {
+            const int row = row0 + it * (THREADS / KCPR);
+            const int key = key0 + it * (THREADS / KCPR);
+            const bool ok = key < sk && ch < kdch;
+            const int src = lane / KCPR + TPR * it;
+            const int64_t page = __shfl_sync(0xffffffffu, my_page, src);
+            const int slot = __shfl_sync(0xffffffffu, my_slot, src);
+            const KV* kp = ok ? kg + fc::paged_offset(page, slot, p.k_batch_stride, ksr) + ch * KEL : kg;
+            const KV* vp = ok ? vg + fc::paged_offset(page, slot, p.v_batch_stride, vsr) + ch * KEL : vg;
+            fc::cp_async16<PF, false>(addr(sK, row, ch), kp, ok ? 16 : 0);
+            fc::cp_async16<PF, false>(addr(sV, row, ch), vp, ok ? 16 : 0);
+        }
+    }
+    __device__ __forceinline__ void load_dense(T* sK, T* sV, int ch, int row0, int key0) {
+        const KV* kp = kg + (int64_t)key0 * ksr + ch * KEL;
+        const KV* vp = vg + (int64_t)key0 * vsr + ch * KEL;
+#pragma unroll
+        for (int it = 0; it < BN * KCPR / THREADS; ++it) {
+            const int row = row0 + it * (THREADS / KCPR);
+            const bool ok = key0 + it * (THREADS / KCPR) < sk && ch < kdch;
+            const int64_t ko = (int64_t)it * (THREADS / KCPR) * ksr;
+            const int64_t vo = (int64_t)it * (THREADS / KCPR) * vsr;
+            fc::cp_async16<PF, false>(addr(sK, row, ch), ok ? kp + ko : kg, ok ? 16 : 0);
+            fc::cp_async16<PF, false>(addr(sV, row, ch), ok ? vp + vo : vg, ok ? 16 : 0);
+        }
+    }
+};
+
+// The packed Q rows r0 .. r0 + rows_here - 1 of the split kernel's CTA (query head kvh * h_ratio
+// + r / sq, position r % sq; qg: the sequence's first query row) into the swizzled Q tile at sQ
+// with cp.async (one commit group); padding rows and chunks past dch zero-filled.
+template <typename T, int D, int BM, int W>
+__device__ __forceinline__ void load_q_tile(T* sQ, const FcParams& p, const T* qg, int tid, int r0, int rows_here, int sq,
+                                            int kvh, int dch) {
+    constexpr int THREADS = W * 32, CPR = D / 8;
+    const int ch = tid % CPR;
+#pragma unroll
+    for (int it = 0; it < BM * CPR / THREADS; ++it) {
+        const int row = tid / CPR + it * (THREADS / CPR);
+        const int r = r0 + row;
+        const bool ok = row < rows_here && ch < dch;
+        const T* src = qg;
+        if (ok) {
+            const int hl = r / sq, i = r - hl * sq;
+            src = qg + (int64_t)i * p.q_row_stride + (int64_t)(kvh * p.h_ratio + hl) * p.q_head_stride + ch * 8;
+        }
+        fc::cp_async16<128, false>(smem_addr(sQ + swz_elems<D>(row, ch)), src, ok ? 16 : 0);
+    }
+    fc::cp_async_commit<false>();
+}
+
+// The key tiles [t_lo, t_hi) the packed rows r0 .. r0 + rows_here - 1 of a split CTA see
+// between them, and the keys [lo_all, hi_all) all of them see. The rows' positions i_min ..
+// i_max: all of 0 .. sq - 1 when the block holds sq rows or more or spans two query heads.
+template <int MASK, int BN>
+__device__ __forceinline__ void split_key_range(int r0, int rows_here, int sq, int sk, int wl, int wr, int& t_lo, int& t_hi,
+                                                int& lo_all, int& hi_all) {
+    const int diag = sk - sq;
+    const int r_last = r0 + rows_here - 1;
+    int i_min, i_max;
+    if (rows_here >= sq || (r0 / sq) != (r_last / sq)) {
+        i_min = 0;
+        i_max = sq - 1;
+    } else {
+        i_min = r0 % sq;
+        i_max = r_last % sq;
+    }
+    int lo_cta = 0, hi_cta = sk;  // union of the rows' ranges
+    lo_all = 0, hi_all = sk;
+    if (MASK != 0) {
+        if (wr >= 0) {
+            hi_cta = fc::clamp_i(i_max + diag + wr + 1, 0, sk);
+            hi_all = fc::clamp_i(i_min + diag + wr + 1, 0, sk);
+        }
+        if (wl >= 0) {
+            lo_cta = fc::clamp_i(i_min + diag - wl, 0, sk);
+            lo_all = fc::clamp_i(i_max + diag - wl, 0, sk);
+        }
+    }
+    t_lo = lo_cta / BN;
+    t_hi = (hi_cta + BN - 1) / BN;
+    if (hi_cta <= lo_cta) t_hi = t_lo;
+}
+
+// The mask on one 16-key step of split_kernel: keys kb + n * 8 + (e & 1) against this thread's
+// two rows' bands (row_lo / row_hi[e >> 1]).
+__device__ __forceinline__ void mask_step(float (&s)[2][4], int kb, const int (&row_lo)[2], const int (&row_hi)[2]) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) fc::mask_score(s[n][e], kb + n * 8 + (e & 1), row_lo[e >> 1], row_hi[e >> 1]);
+}
+
+// The split CTA's row block rb, kv head kvh, sequence bb and split from blockIdx.x. Splits vary
+// slowest: the hardware hands out the blocks in order, so every sequence's first splits come
+// first and a split grid with empty splits (short sequences, balanced splits) puts its working
+// CTAs one per SM before the empty ones, not two on one SM and none on the next (equal lengths
+// under balanced splits: b8 x 32k at pages of 64 +2.6 % with the split fastest).
+template <int BM>
+__device__ __forceinline__ void split_block_coords(const FcParams& p, int& rb, int& kvh, int& bb, int& split) {
+    const int row_blocks = (p.h_ratio * p.sq + BM - 1) / BM;  // the grid's (max_seqlen_q) packing
+    int bid = blockIdx.x;
+    rb = bid % row_blocks;
+    bid /= row_blocks;
+    kvh = bid % p.hkv;
+    bid /= p.hkv;
+    bb = bid % p.b;
+    split = bid / p.b;
+}
+
+// The split kernel's tile shape rules (each failing one names itself).
+template <typename T, typename KV, int D, int BM, int BN, int W, int S>
+__host__ __device__ constexpr bool split_shape_ok() {
+    constexpr int THREADS = W * 32, CPR = D / 8, KB = sizeof(KV), KCPR = D / (16 / KB);
+    static_assert(std::is_same<KV, T>::value || std::is_same<KV, e4m3_t>::value, "K/V: T or e4m3");
+    static_assert(D % 64 == 0, "HEAD_DIM must be a multiple of 64");
+    static_assert((W & (W - 1)) == 0 && W >= 1 && W <= 8, "WARPS must be a power of two <= 8");
+    static_assert(BM % 16 == 0 && BM <= 16 * W, "BLOCK_M must be a multiple of 16 and <= 16*WARPS");
+    static_assert(BN % (16 * W) == 0, "BLOCK_N must be a multiple of 16*WARPS");
+    static_assert(S >= 2, "STAGES >= 2");
+    static_assert(THREADS % CPR == 0, "32*WARPS must be a multiple of HEAD_DIM/8");
+    static_assert((BN * CPR) % THREADS == 0 && (BM * CPR) % THREADS == 0, "tile/thread mismatch");
+    static_assert(THREADS % KCPR == 0 && (BN * KCPR) % THREADS == 0, "K/V tile/thread mismatch");
+    // epilogue scratch (per-warp O, m, l) must fit in the dynamic smem
+    static_assert(W * 16 * (D + 8) * 4 + W * 16 * 2 * 4 <= split_smem_bytes(D, BM, BN, S, KB), "epilogue smem");
+    return true;
+}
+
+// KV: T, or e4m3_t for FP8 K/V (the `_e4m3` kernels): the ring holds K/V tiles of bytes as
+// they are in memory (row-major, unswizzled); after a tile lands each thread widens the chunks
+// it copied into one K and one V tile of T (swizzled as a 16-bit tile), which the loop below
+// reads unchanged. The K scale of the head folds into the softmax scale (its sign and zero
+// into the widened K), the V scale into the final 1 / L: no per-element multiply.
+template <typename T, int D, int MASK, int BM, int BN, int W, int S, typename KV = T, int PF = 128>
+__device__ __forceinline__ void split_kernel(const FcParams& p) {
+    constexpr int THREADS = W * 32;
+    constexpr bool F8 = sizeof(KV) == 1;
+    constexpr int KB = sizeof(KV);     // bytes per stored K/V element
+    constexpr int KEL = 16 / KB;       // K/V elements per 16-byte chunk
+    constexpr int KT = D / 16;   // k16 steps of Q.K^T
+    constexpr int NT = D / 8;    // n8 tiles of O
+    constexpr bool Q_IN_REGS = D <= 128;
+    static_assert(split_shape_ok<T, KV, D, BM, BN, W, S>(), "split kernel shape");
+
+    extern __shared__ __align__(128) unsigned char fc_decode_smem[];
+    fc::pdl_wait();               // inputs of a preceding kernel (no-op without PDL)
+    fc::pdl_launch_dependents();  // let the combine grid get scheduled early (it waits for our completion)
+    T* sQ = reinterpret_cast<T*>(fc_decode_smem);
+    // S stages of [K tile BN x D][V tile BN x D] of KV elements (addressed in units of T, as
+    // the 16-bit kernels always were); F8: then the widened K and V tiles
+    T* sKV = sQ + BM * D;
+    T* sKw = sKV + S * BN * D * KB;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g8 = lane >> 2, t4 = lane & 3;
+    const int hq = p.hq;
+    const int nsplit = p.num_splits;
+    int rb, kvh, bb, split;
+    split_block_coords<BM>(p, rb, kvh, bb, split);
+    const fc::SeqRange sr = fc::seq_range(p, bb);
+    const int sq = sr.sq, sk = sr.sk;
+    const int rows_total = p.h_ratio * sq;  // this sequence's packed rows
+
+    const int r0 = rb * BM;
+    if (r0 >= rows_total) return;  // a shorter sequence (varlen): the combine skips these rows
+    const bool paged = p.page_table != nullptr;
+    const bool fixed_splits = paged && MASK != 2;  // see `tps`
+    constexpr int RW = BN / W;  // a warp's rows of a tile when they are dealt out by warp
+    // the K / V ring's loads (KvTileLoader: whole pages per warp, pages per row, or contiguous)
+    const int dch = p.d / 8;
+    const int kdch = F8 ? p.d / KEL : dch;  // F8: the host passes p.d % 16 == 0
+    const KV* kg;
+    const KV* vg;
+    kv_head_base(p, bb, kvh, sr, kg, vg);
+    KvTileLoader<T, KV, D, BN, W, PF> kv(p, sKV, kg, vg, bb, sk, kdch, fixed_splits && p.page_size % RW == 0,
+                                         p.page_size % BN != 0);
+    // Balanced splits: the first pages are read for the even split of p.sk into
+    // split_budget / b parts (what equal lengths balance to) while `balanced_tps` runs, and
+    // again below where the balanced split starts elsewhere.
+    const bool balanced = MASK == 0 && p.split_budget > 0;
+    const int spec_splits = balanced ? max(p.split_budget / p.b, 1) : nsplit;
+    if (kv.whole_pages) {
+        // the split's first page (its first tile as `tps` below, before any use of sk)
+        const int tps0 = ((p.sk + BN - 1) / BN + spec_splits - 1) / spec_splits;
+        kv.seek_pages(split * tps0 * BN / p.page_size);
+    }
+
+    const int rows_here = min(BM, rows_total - r0);
+    const int WM = row_tile_warps(rows_here);
+    const int WN = W / WM;
+    const int wm = warp / WN, wn = warp - wm * WN;
+    const int kpw = BN / WN;  // keys per warp per tile (multiple of 16)
+
+    // ---- visible key range of this CTA's rows: tiles [t_lo, t_hi); keys [lo_all, hi_all) are
+    // visible to every row (tiles inside need no mask)
+    const int diag = sk - sq;
+    const int wl = MASK == fc::MASK_WINDOW ? p.window_left : -1;
+    const int wr = MASK == fc::MASK_WINDOW ? p.window_right : (MASK == fc::MASK_CAUSAL ? 0 : -1);
+    int t_lo, t_hi, lo_all, hi_all;
+    split_key_range<MASK, BN>(r0, rows_here, sq, sk, wl, wr, t_lo, t_hi, lo_all, hi_all);
+    // ---- per-thread rows (for masks): rows g8 and g8 + 8 of m-tile wm
+    int row_lo[2], row_hi[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = r0 + wm * 16 + g8 + 8 * h;
+        fc::band_clamped<MASK>(r % sq, diag, sk, wl, wr, row_lo[h], row_hi[h]);
+    }
+
+    // ---- Q tile -> smem (cp.async, zero-filled padding rows)
+    const T* qg = static_cast<const T*>(p.q) + (int64_t)bb * p.q_batch_stride + (int64_t)sr.q0 * p.q_row_stride;
+    load_q_tile<T, D, BM, W>(sQ, p, qg, tid, r0, rows_here, sq, kvh, dch);
+
+    // Splits of a paged cache without a window cut the grid's key range (p.sk = the table's
+    // width in keys, not this sequence's length): a split's first tile, and so its first pages,
+    // are known before the sequence length arrives (KvTileLoader). A shorter sequence leaves
+    // its last splits empty; the longest split is the same.
+    // The split's tiles are placed after the Q load is out (balanced splits read the lengths).
+    const int tps = balanced ? balanced_tps<BN>(p, nsplit) : ((fixed_splits ? (p.sk + BN - 1) / BN : t_hi - t_lo) + nsplit - 1) / nsplit;
+    const int t_first = t_lo + split * tps;  // fixed_splits: t_lo = 0
+    if (balanced && kv.whole_pages && t_first * BN / p.page_size != kv.pg_base) kv.seek_pages(t_first * BN / p.page_size);
+    const int t_begin = min(t_first, t_hi);
+    const int t_end = min(t_begin + tps, t_hi);
+    // An empty split of a split grid (past its sequence's keys: short sequences under even splits
+    // of p.sk, and balanced splits): only LSE = -inf for the combine, which then never reads its
+    // partial O; no tiles, no epilogue (the Q copy in flight is waited for). (Not in the windowed
+    // kernels: d256 spilled 28 B on sm_80.)
+    if (MASK != 2 && nsplit > 1 && t_begin >= t_end) {
+        cp_async_wait<0>();
+        for (int r = tid; r < rows_here; r += THREADS) {
+            const int rr = r0 + r, hl = rr / sq, i = rr - hl * sq;
+            p.lse_partial[(((int64_t)split * p.b + bb) * hq + kvh * p.h_ratio + hl) * p.sq + i] = -INFINITY;
+        }
+        return;
+    }
+
+    // Per-row pages with fixed splits: the split's first tile is known without the sequence's
+    // length, so its lookup goes out beside the seqused_k read instead of after it (at b1, with
+    // the tables in DRAM, one dependent DRAM round trip less in front of the first copy).
+    if (paged && !kv.whole_pages && fixed_splits && t_first < (p.sk + BN - 1) / BN) kv.prefetch_rows(t_first);
+    // ---- prologue (F8 rings are deeper: their copies of the tile loads unrolled spilled d128
+    // on sm_80)
+    if constexpr (F8) {
+#pragma unroll 1
+        for (int s = 0; s < S - 1; ++s) {
+            if (t_begin + s < t_end) kv.load(t_begin + s, s);
+            fc::cp_async_commit<false>();
+        }
+    } else {
+#pragma unroll
+        for (int s = 0; s < S - 1; ++s) {
+            if (t_begin + s < t_end) kv.load(t_begin + s, s);
+            fc::cp_async_commit<false>();
+        }
+    }
+    cp_async_wait<S - 1>();  // Q group landed
+    __syncthreads();
+
+    const uint32_t sQ_u = smem_addr(sQ);
+    // ldmatrix lane offsets
+    const int a_row = wm * 16 + (lane & 15);      // Q (A operand)
+    const int a_chk = lane >> 4;                  // + 2*kk
+    const int k_row = (lane & 7) + ((lane >> 4) << 3);  // K (B operand, non-trans) + key0
+    const int k_chk = (lane >> 3) & 1;                  // + 2*kk
+    const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3);  // V (B operand, trans) + key0
+    const int v_chk = lane >> 4;                              // + 2*j2
+
+    uint32_t qf[Q_IN_REGS ? KT : 1][4];
+    if constexpr (Q_IN_REGS) {
+#pragma unroll
+        for (int kk = 0; kk < KT; ++kk)
+            fc::ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], sQ_u + 2 * swz_elems<D>(a_row, 2 * kk + a_chk));
+    }
+
+    float o[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+    // F8: the head's scales, read where used (k_scale)
+    const float sl2 = fc::score_unit_log2(F8 ? p.scale_log2 * k_mag<F8>(p, kvh) : p.scale_log2, p.softcap);
+
+    // ---- main loop over this split's tiles
+    for (int t = t_begin; t < t_end; ++t) {
+        const int it = t - t_begin;
+        // Issue the next tile BEFORE waiting for tile t, so that while this CTA stalls on tile t,
+        // S tiles (not S - 1) are in flight.
+        if (it > 0) __syncthreads();  // every warp is done with slot (it - 1) % S
+        {
+            const int tn = t + S - 1;
+            if (tn < t_end) kv.load(tn, (it + S - 1) % S);
+            fc::cp_async_commit<false>();
+        }
+        cp_async_wait<S - 1>();  // tile t landed (tiles t+1 .. t+S-1 may be pending)
+        if constexpr (F8) {
+            // Each thread widens the chunks of tile t it copied itself (visible to it after the
+            // wait; the rows of `KvTileLoader::load`) into the single widened K / V tiles, which every
+            // warp finished reading before the barrier at the top of this iteration.
+            widen_tile<T, D, BN, W>(sKw, reinterpret_cast<const unsigned char*>(sKV) + (it % S) * (2 * BN * D),
+                                    kv.whole_pages && kv.warp_rows, k_scale<F8>(p, kvh));
+        }
+        __syncthreads();  // tile t (F8: widened) is visible to all warps
+        const int slot = it % S;
+        const uint32_t sK_u = F8 ? smem_addr(sKw) : smem_addr(sKV + slot * (2 * BN * D));
+        const uint32_t sV_u = sK_u + BN * D * 2;
+        const bool need_mask = (t * BN < lo_all) || ((t + 1) * BN > hi_all);
+
+        for (int c = 0; c < kpw; c += 16) {
+            const int key0 = wn * kpw + c;  // within tile
+            float s[2][4];
+            qk_step<T, D, Q_IN_REGS>(s, qf, sQ_u, a_row, a_chk, sK_u, key0 + k_row, k_chk);
+            modify_scores<F8, BN>(s, p, t, key0, t4, r0, wm, g8, rows_total, sq, sk, bb, kvh);
+            if (need_mask) mask_step(s, t * BN + key0 + 2 * t4, row_lo, row_hi);
+            // online softmax (two rows per thread: h = 0 -> row g8, h = 1 -> row g8 + 8)
+            softmax_step<NT>(s, o, m_run, l_run, sl2);
+            pv_step<T, D>(o, s, sV_u, key0 + v_row, v_chk);
+        }
+    }
+
+    // ---- epilogue: merge the warps' partial softmax states through smem
+    split_epilogue<T, D, W, F8>(p, o, m_run, l_run, sl2, rows_here, r0, sq, bb, kvh, split, sr.q0, dch, hq,
+                                nsplit, tid, warp, g8, t4);
 }
 
 // ---------------------------------------------------------------- combine kernel
@@ -933,7 +1011,7 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
         const bool all = __syncthreads_or(fc::prefix_sums_lie(p));
         lie = all || (i < sr.sq && __syncthreads_or(fc::pages_lie(p, bb)));  // block-uniform
         if (all && blockIdx.x == 0) {
-            pdl_wait();
+            fc::pdl_wait();
             const int64_t n_rows = p.cu_seqlens_q != nullptr ? (int64_t)p.total_q : (int64_t)p.b * p.sq;
             uint16_t* o16 = static_cast<uint16_t*>(p.o);
             for (int64_t x = tid; x < n_rows * p.hq * p.d; x += THREADS) o16[x] = 0x7FFF;
@@ -941,11 +1019,11 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
         }
     }
     if (i >= sr.sq) {  // past the end of a shorter sequence (varlen): no such row
-        pdl_launch_dependents();
+        fc::pdl_launch_dependents();
         return;
     }
-    pdl_wait();  // no-op unless launched as a programmatic dependent of the split kernel
-    pdl_launch_dependents();  // the varlen / paged check kernel may start (it waits to write)
+    fc::pdl_wait();  // no-op unless launched as a programmatic dependent of the split kernel
+    fc::pdl_launch_dependents();  // the varlen / paged check kernel may start (it waits to write)
     if (lie) {
         T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
                 (int64_t)h * p.o_head_stride;
@@ -1023,7 +1101,7 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
         T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
                 (int64_t)h * p.o_head_stride + tid * 4;
         if (tid * 4 < p.d)
-            *reinterpret_cast<uint2*>(od) = make_uint2(Ops<T>::pack(o.x * inv, o.y * inv), Ops<T>::pack(o.z * inv, o.w * inv));
+            *reinterpret_cast<uint2*>(od) = make_uint2(fc::Elem<T>::pack(o.x * inv, o.y * inv), fc::Elem<T>::pack(o.z * inv, o.w * inv));
         if (tid == 0) fc::lse_ptr(p, bb, h, sr.q0)[i] = lse;
     }
 }

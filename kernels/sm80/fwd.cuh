@@ -40,83 +40,25 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "common/params.h"
+#include "common/ptx.cuh"
+#include "common/mask.cuh"
+#include "common/variants.cuh"
 #include "common/softmax.cuh"
 #include "common/smem.cuh"
 #include "common/seqlens.cuh"
 
 namespace fc_sm80 {
 
-template <typename T> struct Elem;
-template <> struct Elem<__nv_bfloat16> {
-    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    // lo -> bits [15:0], hi -> bits [31:16]
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        uint32_t r;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-};
-template <> struct Elem<__half> {
-    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        uint32_t r;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-};
-
-__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-// 16-byte global -> shared copy; src_bytes = 0 zero-fills the destination (ragged tails).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-// threadIdx.x through a volatile read: values derived from it are recomputed, not kept live.
-__device__ __forceinline__ int tid_remat() {
-    uint32_t x;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
-    return (int)x;
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] tile of 16-bit
-// elements: physical chunk = chunk ^ (row & 7) (only the low 3 bits of the chunk index change).
-template <int D>
-__device__ __forceinline__ uint32_t swz(int row, int chunk) {
-    return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
-}
+// (the shared PTX helpers and dtype traits: common/ptx.cuh)
+using fc::cp_async_commit;
+using fc::cp_async_wait_all;
+using fc::cp_async16;
+using fc::Elem;
+using fc::launder32;
+using fc::ldsm_x4;
+using fc::ldsm_x4_trans;
+using fc::smem_addr;
+using fc::tid_remat;
 
 // Narrow head dims (the FWD_NARROW body, fwd_narrow): Q.K^T runs only the k16 steps that
 // hold columns below p.d, and P.V only the 16-column pairs of O below it, so a d96 head on the
@@ -156,7 +98,7 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
     int64_t step;
     asm volatile("mov.b64 %0, %1;" : "=l"(step) : "l"((int64_t)ROWS_PER_PASS * stride));
     const T* src = g + (int64_t)r0 * stride + ch * 8;
-    uint32_t dst = s + swz<D>(r0, ch);
+    uint32_t dst = s + fc::swz_bytes<D>(r0, ch);
     // ONE_REM: row r0 + i * ROWS_PER_PASS is valid when i * ROWS_PER_PASS < rem, one live
     // register and compares against immediates (a row index per pass kept 16 registers live
     // across the key loop of the 128-key pair tile).
@@ -168,7 +110,7 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
             const bool ok = (ONE_REM ? i * ROWS_PER_PASS < rem : r < valid) && ch < dch;
             // (r & 7) changes between passes only when ROWS_PER_PASS % 8 != 0
             const uint32_t d = (ROWS_PER_PASS % 8 == 0) ? dst + i * ROWS_PER_PASS * (D * 2)
-                                                        : s + swz<D>(r, ch);
+                                                        : s + fc::swz_bytes<D>(r, ch);
             if (ch < dz) cp_async16(d, ok ? (const void*)src : (const void*)g, ok ? 16 : 0);
         }
         src += step;
@@ -209,10 +151,6 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //     third body adds ~17 % to the sm80 family's compile time (127 -> 148 CPU-s here).
 enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16, FWD_GEN = 32, FWD_NARROW = 64 };
 
-__device__ __forceinline__ uint32_t launder32(uint32_t x) {
-    asm volatile("mov.b32 %0, %1;" : "=r"(x) : "r"(x));
-    return x;
-}
 // Address of 16-byte chunk group j (0..3) for a lane: XA: base already holds the lane's swizzled
 // chunk 0 and a 128-byte aligned row address, so ((c ^ sw) << 4) == base_bits ^ (j << 5).
 template <bool XA>
@@ -261,6 +199,35 @@ __device__ __forceinline__ void qk_tile(float (&s)[MT][NS][4], uint32_t q_lane,
     }
 }
 
+// S = Q K^T for one key tile with Q's fragments held in registers (qr, all KD k16 steps; loaded
+// at the first tile); k_row: the K tile's base plus the lane's row (the swizzled chunk from
+// k_off). NARROW as qk_tile.
+template <typename T, int D, int MT, int NS, bool NARROW>
+__device__ __forceinline__ void qk_tile_qregs(float (&s)[MT][NS][4], const uint32_t (&qr)[MT][D / 16][4],
+                                              uint32_t k_row, const uint32_t (&k_off)[4], int kd) {
+    constexpr int KD = D / 16;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+        if (NARROW && kk >= narrow_min_ksteps<D>() && kk >= kd) break;  // (qk_tile)
+#pragma unroll
+        for (int np = 0; np < NS / 2; ++np) {
+            uint32_t b[4];
+            ldsm_x4(b, k_row + k_off[kk & 3] + (np * 16 * (D * 2) + (kk >> 2) * 128));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                Elem<T>::mma(s[mt][2 * np], qr[mt][kk], b[0], b[1]);
+                Elem<T>::mma(s[mt][2 * np + 1], qr[mt][kk], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // -inf outside the visible band (ragged key tail, causal diagonal, window edges).
 // col_off: first key of this warp's columns inside the key tile (key-split warp pairs).
 template <int MASK, int BN, int MT, int NS>
@@ -270,7 +237,7 @@ __device__ __forceinline__ void mask_tile(float (&s)[MT][NS][4], int nb, int war
     if (fc::tile_needs_mask<MASK, BN>(nb, warp_r0, warp_r0 + 16 * MT - 1, sq, sk, wl, wr)) {
         // Re-read the lane id here instead of keeping per-lane row/column terms live across the
         // key loop (register pressure).
-        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+        lane = fc::lane_remat();
         row_thr = warp_r0 + (lane >> 2);
         const int col0 = nb * BN + col_off + 2 * (lane & 3);
 #pragma unroll
@@ -284,7 +251,7 @@ __device__ __forceinline__ void mask_tile(float (&s)[MT][NS][4], int nb, int war
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int col = col0 + j * 8 + e;
-                        if (col >= hi || col < lo) s[mt][j][2 * hf + e] = FC_NEG_INF;
+                        fc::mask_score(s[mt][j][2 * hf + e], col, lo, hi);
                     }
             }
     }
@@ -295,13 +262,13 @@ __device__ __forceinline__ void mask_tile(float (&s)[MT][NS][4], int nb, int war
 template <bool CAP, int MT, int NS>
 __device__ __forceinline__ void softcap_tile(float (&s)[MT][NS][4], const FcParams& p) {
     if (CAP && p.softcap > 0.f) {
-        const float pre = __fdividef(p.scale, p.softcap);
+        const fc::Softcap cap(p.scale, p.softcap);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int j = 0; j < NS; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][j][e] = fc::softcap_tanh(s[mt][j][e] * pre);
+                for (int e = 0; e < 4; ++e) s[mt][j][e] = cap(s[mt][j][e]);
     }
 }
 
@@ -312,10 +279,9 @@ template <bool CAP, int BN, int MT, int NS>
 __device__ __forceinline__ void alibi_tile(float (&s)[MT][NS][4], const FcParams& p, float slope_u,
                                            int nb, int warp_r0, int sq, int sk, int col_off = 0) {
     if (CAP && p.alibi_slopes != nullptr) {
-        int lane;
-        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+        const int lane = fc::lane_remat();
         const int col0 = nb * BN + col_off + 2 * (lane & 3);
-        const float lo = fc::alibi_floor(p);
+        const fc::Alibi alibi(slope_u, fc::alibi_floor(p));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -325,8 +291,7 @@ __device__ __forceinline__ void alibi_tile(float (&s)[MT][NS][4], const FcParams
                 for (int j = 0; j < NS; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        s[mt][j][2 * hf + e] =
-                            fc::alibi_apply(s[mt][j][2 * hf + e], slope_u, abs(col0 + j * 8 + e - diag), lo);
+                        s[mt][j][2 * hf + e] = alibi(s[mt][j][2 * hf + e], col0 + j * 8 + e, diag);
             }
     }
 }
@@ -473,7 +438,7 @@ __device__ __forceinline__ void store_o(unsigned char* smem_o, const float (&o)[
             const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
 #pragma unroll
             for (int j = 0; j < ND; ++j)
-                *reinterpret_cast<uint32_t*>(smem_o + swz<D>(r, chunk0 + j) + 4 * (lane & 3)) =
+                *reinterpret_cast<uint32_t*>(smem_o + fc::swz_bytes<D>(r, chunk0 + j) + 4 * (lane & 3)) =
                     Elem<T>::pack(o[mt][j][2 * hf], o[mt][j][2 * hf + 1]);
         }
     __syncwarp();
@@ -482,7 +447,7 @@ __device__ __forceinline__ void store_o(unsigned char* smem_o, const float (&o)[
         const int c = lane + 32 * i;
         const int r = warp_row + c / ND, ch = chunk0 + c % ND;
         if (r < rows_valid && ch < dch) {
-            const uint4 val = *reinterpret_cast<const uint4*>(smem_o + swz<D>(r, ch));
+            const uint4 val = *reinterpret_cast<const uint4*>(smem_o + fc::swz_bytes<D>(r, ch));
             *reinterpret_cast<uint4*>(og + (int64_t)r * row_stride + ch * 8) = val;
         }
     }
@@ -583,6 +548,47 @@ struct FwdTile {
         for (int r = tid; r < rows_valid; r += NTH) lseg[r] = sink;
     }
 };
+
+// Epilogue of fwd_body: normalise this warp's rows (the head's sink joins the normaliser when
+// there is one), write their LSE, stage O through the warp's own Q rows (only this warp ever read
+// them), then 16-byte coalesced stores. LEAN: og / lseg recomputed from %ctaid (FwdTile::out_remat).
+template <typename T, int D, int MASK, int BM, int BN, bool GEN, bool LEAN, int MT, int ND>
+__device__ __forceinline__ void fwd_epilogue(const FcParams& p, float (&o)[MT][ND][4], const float (&row_m)[MT][2],
+                                             const float (&row_l)[MT][2], int warp_row, int lane,
+                                             int rows_valid, T* og, float* lseg) {
+    extern __shared__ __align__(128) unsigned char fc_sm80_fwd_smem[];
+    T* o_out = og;
+    float* lse_out = lseg;
+    if constexpr (LEAN) FwdTile<T, MASK, BM, BN, GEN>::out_remat(p, o_out, lse_out);
+    const float scale = GEN ? fc::score_unit(p.scale, p.softcap) : p.scale;
+    // The head's sink joins the normaliser here; the check is unswitched so that the plain
+    // epilogue compiles as it did without sinks (one join per row pushed d256 into spills).
+    auto finish = [&](auto with_sink) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const float l = fc::quad_sum(row_l[mt][hf]);
+                float lse;
+                // (the sink is read again per row: holding it beside O spilled at d256)
+                const float inv =
+                    decltype(with_sink)::value
+                        ? fc::finalize_sink(row_m[mt][hf] * scale, l,
+                                            FwdTile<T, MASK, BM, BN, GEN>::sink_remat(p), lse)
+                        : fc::finalize_row(row_m[mt][hf], l, scale, lse);
+                scale_o_half(o, mt, hf, inv);
+                const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
+                if ((lane & 3) == 0 && r < rows_valid) lse_out[r] = lse;
+            }
+    };
+    if (FwdTile<T, MASK, BM, BN, GEN>::sink_remat(p) == FC_NEG_INF)
+        finish(fc::Flag<false>{});
+    else
+        finish(fc::Flag<true>{});
+    __syncwarp();
+    store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, 0, o_out, p.o_row_stride, rows_valid,
+                  GEN ? p.d / 8 : D / 8);
+}
 
 template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES, int OPT = 0>
 __device__ __forceinline__ void fwd_body(const FcParams& p) {
@@ -743,26 +749,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
             qk_tile<T, D, MT, NS, XA, KD, NARROW>(s, XA ? q_lx : q_lane, q_off,
                                                   sKs + (XA ? k_lx : k_lane_row), k_off, kd);
         } else {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int j = 0; j < NS; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-                if (NARROW && kk >= narrow_min_ksteps<D>() && kk >= kd) break;  // (qk_tile)
-#pragma unroll
-                for (int np = 0; np < NS / 2; ++np) {
-                    uint32_t b[4];
-                    ldsm_x4(b, sKs + k_lane_row + k_off[kk & 3] + (np * 16 * (D * 2) + (kk >> 2) * 128));
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        E::mma(s[mt][2 * np], qr[mt][kk], b[0], b[1]);
-                        E::mma(s[mt][2 * np + 1], qr[mt][kk], b[2], b[3]);
-                    }
-                }
-            }
+            qk_tile_qregs<T, D, MT, NS, NARROW>(s, qr, sKs + k_lane_row, k_off, kd);
         }
         softcap_tile<(OPT & FWD_GEN) != 0>(s, p);
         alibi_tile<(OPT & FWD_GEN) != 0, BN>(s, p, slope_u, nb, warp_r0, sq, sk);
@@ -789,39 +776,35 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
 
     // Epilogue: normalise, LSE, stage O through this warp's own Q rows (only this warp ever
     // read them), then 16-byte coalesced stores.
-    T* o_out = og;
-    float* lse_out = lseg;
-    if constexpr (LEAN) FwdTile<T, MASK, BM, BN, GEN>::out_remat(p, o_out, lse_out);
-    const float scale = (OPT & FWD_GEN) != 0 ? fc::score_unit(p.scale, p.softcap) : p.scale;
-    // The head's sink joins the normaliser here; the check is unswitched so that the plain
-    // epilogue compiles as it did without sinks (one join per row pushed d256 into spills).
-    auto finish = [&](auto with_sink) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const float l = fc::quad_sum(row_l[mt][hf]);
-                float lse;
-                // (the sink is read again per row: holding it beside O spilled at d256)
-                const float inv =
-                    decltype(with_sink)::value
-                        ? fc::finalize_sink(row_m[mt][hf] * scale, l,
-                                            FwdTile<T, MASK, BM, BN, GEN>::sink_remat(p), lse)
-                        : fc::finalize_row(row_m[mt][hf], l, scale, lse);
-                scale_o_half(o, mt, hf, inv);
-                const int r = warp_row + mt * 16 + hf * 8 + (lane >> 2);
-                if ((lane & 3) == 0 && r < rows_valid) lse_out[r] = lse;
-            }
-    };
-    if (FwdTile<T, MASK, BM, BN, GEN>::sink_remat(p) == FC_NEG_INF)
-        finish(fc::Flag<false>{});
-    else
-        finish(fc::Flag<true>{});
-    __syncwarp();
-    store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, 0, o_out, p.o_row_stride, rows_valid,
-                  GEN ? p.d / 8 : D / 8);
+    fwd_epilogue<T, D, MASK, BM, BN, GEN, LEAN>(p, o, row_m, row_l, warp_row, lane, rows_valid, og, lseg);
 }
 
+
+// Online softmax of a warp pair's S half (fwd_body_pair): the row max is the larger of the two
+// warps' partial maxima (published in shared memory at red_own / red_mate), s becomes P, O is
+// rescaled, and the row's partial sum at red_own + SUM_OFF is updated by the quad's first lane.
+template <uint32_t SUM_OFF, int MT, int NS, int ND>
+__device__ __forceinline__ void pair_softmax(float (&s)[MT][NS][4], float (&o)[MT][ND][4], float (&row_m)[MT][2],
+                                             uint32_t red_own, uint32_t red_mate, float sl2, bool quad0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const float m_new = fmaxf(fc::ld_shared_f32(red_own + (mt * 16 + hf * 8) * 4),
+                                      fc::ld_shared_f32(red_mate + (mt * 16 + hf * 8) * 4));
+            float msc;
+            const float alpha = fc::online_rescale(row_m[mt][hf], m_new, sl2, msc);
+            row_m[mt][hf] = m_new;
+            const float sum = fc::quad_sum(exp_row(s[mt], hf, sl2, msc));
+            const uint32_t l_addr = red_own + SUM_OFF + (mt * 16 + hf * 8) * 4;
+            if (quad0) fc::st_shared_f32(l_addr, fmaf(fc::ld_shared_f32(l_addr), alpha, sum));
+#pragma unroll
+            for (int j = 0; j < ND; ++j) {
+                o[mt][j][2 * hf] *= alpha;
+                o[mt][j][2 * hf + 1] *= alpha;
+            }
+        }
+}
 
 // Key-split warp pairs (FWD_PAIR; written for d256, where one warp cannot hold 32 rows of O).
 // Warps 2i and 2i+1 own the same RW = BM / (WARPS/2) query rows (MT = RW/16 m16 tiles each):
@@ -964,24 +947,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
         }
 
         // Online softmax with the pair's common row max.
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const float m_new = fmaxf(fc::ld_shared_f32(red_own + (mt * 16 + hf * 8) * 4),
-                                          fc::ld_shared_f32(red_mate + (mt * 16 + hf * 8) * 4));
-                float msc;
-                const float alpha = fc::online_rescale(row_m[mt][hf], m_new, sl2, msc);
-                row_m[mt][hf] = m_new;
-                const float sum = fc::quad_sum(exp_row(s[mt], hf, sl2, msc));
-                const uint32_t l_addr = red_own + SUM_OFF + (mt * 16 + hf * 8) * 4;
-                if (quad0) fc::st_shared_f32(l_addr, fmaf(fc::ld_shared_f32(l_addr), alpha, sum));
-#pragma unroll
-                for (int j = 0; j < ND; ++j) {
-                    o[mt][j][2 * hf] *= alpha;
-                    o[mt][j][2 * hf + 1] *= alpha;
-                }
-            }
+        pair_softmax<SUM_OFF>(s, o, row_m, red_own, red_mate, sl2, quad0);
         // This warp's P half, one k16 step at a time (S registers die step by step): to smem for
         // the partner, and straight into its own P.V step.
         const uint32_t v_l = launder32(v_lane);
