@@ -5,7 +5,8 @@
 // (exp2 units) and row sums, per warpgroup X_BYTES as float4 [DV / 8 + 1][128], then arrives on
 // rank 0's x_ready. Rank 0 reads them through distributed shared memory, rescales every partial
 // to the largest maximum and adds them to its own, releases the others through their x_done
-// (their smem must outlive the reads) and runs the epilogue alone.
+// (their smem must outlive the reads) and runs the epilogue alone. The kernel body runs, after the
+// tile's last P V: exchange, drop, then give (ranks > 0, done with the tile) or take (rank 0).
 #pragma once
 #include "mainloop.cuh"
 
@@ -77,23 +78,19 @@ struct KeySplit {
 #pragma unroll
         for (int r = 0; r < 2; ++r) ml.m_r[r] = big[r] == -INFINITY ? -INFINITY : big[r] / sl2;
     }
-    // After the tile's last P V (`discard`: this rank's chunk was empty). Returns true on ranks
-    // > 0, which are then done with the tile; rank 0 goes on to the epilogue with the merged
-    // result.
-    __device__ __forceinline__ bool gather(Mainloop<Tr>& ml, bool discard) {
-        const uint32_t xs = sm.sK + ml.c * X_BYTES + ml.t128 * 16;  // this thread's float4 j at xs + j * 2048
-        if (discard) {  // (only ranks > 0: rank 0's chunk is never empty)
+    // This thread's exchange area: float4 j at xs + j * 2048 (in every rank's ring).
+    __device__ __forceinline__ uint32_t exchange(const Mainloop<Tr>& ml) const {
+        return sm.sK + ml.c * X_BYTES + ml.t128 * 16;
+    }
+    // An empty chunk (`discard`, only ranks > 0: rank 0's chunk is never empty) contributes
+    // nothing: m = -inf, l = 0, O = 0.
+    __device__ __forceinline__ void drop(Mainloop<Tr>& ml, bool discard) const {
+        if (discard) {
             ml.m_r[0] = ml.m_r[1] = -INFINITY;
             ml.l_r[0] = ml.l_r[1] = 0.f;
 #pragma unroll
             for (int j = 0; j < DV / 2; ++j) ml.o[j] = 0.f;
         }
-        if (sched.rank > 0) {
-            give(ml, xs);
-            return true;
-        }
-        take(ml, xs);
-        return false;
     }
 };
 

@@ -123,10 +123,16 @@ struct FwdSm90 : FwdTraits<T, D, MASK, BM, BN, STAGES, PINGPONG, CAP, DV, ILV, S
                 continue;
             }
             const bool discard = ml.run_tile(n_max, qs.stage, qs.phase, smem_raw);
-            if (Tr::SPLIT && sched.splits > 1 && split.gather(ml, discard)) {
-                mbar_arrive(sm.sched_empty(slot));
-                qs.advance();
-                continue;
+            if (Tr::SPLIT && sched.splits > 1) {  // key split: gather the partials into rank 0
+                const uint32_t xs = split.exchange(ml);
+                split.drop(ml, discard);
+                if (sched.rank > 0) {
+                    split.give(ml, xs);
+                    mbar_arrive(sm.sched_empty(slot));
+                    qs.advance();
+                    continue;
+                }
+                split.take(ml, xs);
             }
             const int sqv = epi.finish(ml);
             if (p.cu_seqlens_q != nullptr) {
