@@ -20,8 +20,8 @@ fn device(row: &DeviceRow) -> Device {
 }
 
 /// A decision as the table states it (the format its generator wrote).
-fn decision(p: &Problem, dev: &Device) -> String {
-    let plan = match plan(p, dev, &Options::default()) {
+fn decision(p: &Problem, dev: &Device, opts: &Options) -> String {
+    let plan = match plan(p, dev, opts) {
         Ok(plan) => plan,
         Err(e) => {
             // the gather's error comes after the kernel chosen for the paged problem
@@ -33,7 +33,7 @@ fn decision(p: &Problem, dev: &Device) -> String {
                 }
                 None => e,
             };
-            return match choose(p, dev, &Options::default()) {
+            return match choose(p, dev, opts) {
                 Ok(v) if matches!(p.keys, Keys::Paged { .. }) && v.kind != KKind::Decode => {
                     let g = gathered(p);
                     let blocks = g
@@ -121,20 +121,23 @@ fn decision(p: &Problem, dev: &Device) -> String {
     s
 }
 
-/// Every decision of the table: the same kernel, gather, grid, block, shared memory, clusters,
-/// splits, schedule, paged boxes, combine and check (or the same error) as the dispatcher the
-/// planner replaced, for 1000 problems on six devices.
-#[test]
-fn decisions_match_the_table() {
-    let table = include_str!("decisions.txt");
-    let probs = sweep_problems(1000);
-    let mut want = table.lines().filter(|l| !l.starts_with("# "));
+/// Compares the planner's decisions under `opts` with the lines of `table` tagged `tag` (empty:
+/// untagged) for `sweep_problems(n)` on the sweep's devices.
+fn compare(table: &str, tag: &str, n: usize, opts: &Options) {
+    let probs = sweep_problems(n);
+    let mut want = table
+        .lines()
+        .filter(|l| !l.starts_with("# "))
+        .filter_map(|l| match tag {
+            "" => Some(l),
+            t => l.strip_prefix(t).and_then(|l| l.strip_prefix(' ')),
+        });
     let mut bad = Vec::new();
-    let mut n = 0;
+    let mut count = 0;
     for (i, (label, p)) in probs.iter().enumerate() {
         let mut prev = String::new();
         for row in SWEEP_DEVICES {
-            let got = decision(p, &device(row));
+            let got = decision(p, &device(row), opts);
             let line = want
                 .next()
                 .expect("the table has a line per problem and device");
@@ -154,15 +157,51 @@ fn decisions_match_the_table() {
                 ));
             }
             prev = old;
-            n += 1;
+            count += 1;
         }
     }
     assert!(want.next().is_none(), "the table has more lines");
-    assert_eq!(n, 6000);
+    assert_eq!(count, n * SWEEP_DEVICES.len());
     assert!(
         bad.is_empty(),
-        "{} of {n} decisions differ:\n{}",
+        "{tag}: {} of {count} decisions differ:\n{}",
         bad.len(),
         bad[..bad.len().min(20)].join("\n")
     );
+}
+
+/// Every decision of the table: the same kernel, gather, grid, block, shared memory, clusters,
+/// splits, schedule, paged boxes, combine and check (or the same error) as the dispatcher the
+/// planner replaced, for 1000 problems on six devices.
+#[test]
+fn decisions_match_the_table() {
+    compare(include_str!("decisions.txt"), "", 1000, &Options::default());
+}
+
+/// The same with the A/B knobs set, as the table's two settings state them.
+#[test]
+fn decisions_with_knobs_match_the_table() {
+    let table = include_str!("decisions-knobs.txt");
+    let skip = [
+        "d64_causal_128x128".to_string(),
+        "d128_nomask_128x128".to_string(),
+    ];
+    let a = Options {
+        skip_variants: &skip,
+        paged_gather: true,
+        sm90_causal_static: true,
+        sm90_kv_splits: Some(4),
+        decode_even: true,
+        decode_full_occupancy: true,
+        decode_cluster_off: true,
+        ..Options::default()
+    };
+    compare(table, "a", 400, &a);
+    let b = Options {
+        arch: Some(Arch::Sm80),
+        smem_limit: Some(101376),
+        sm90_kv_splits: Some(1),
+        ..Options::default()
+    };
+    compare(table, "b", 400, &b);
 }
