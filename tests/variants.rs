@@ -100,7 +100,7 @@ impl Ask {
             KDType::Bf16 => DType::BF16,
             KDType::F16 => DType::F16,
         };
-        let hkv = if self.hq % 8 == 0 { 8 } else { self.hq };
+        let hkv = if self.hq.is_multiple_of(8) { 8 } else { self.hq };
         let row = Tensor::zeros((1, 1, 1, self.d), dt, &Host::Cpu)?;
         let q = row.broadcast_as((self.b, self.sq, self.hq, self.d))?;
         let kv = row.broadcast_as((self.b, self.sk, hkv, self.d))?;
