@@ -14,9 +14,30 @@ use std::sync::{Arc, Mutex};
 pub(crate) struct FlashAttn {
     pub problem: Problem,
     pub extra: Extra,
-    /// Set by the forward when the caller asked for the log-sum-exp.
+    /// Whether the caller asked for the log-sum-exp: the forward then leaves it in `lse`.
     pub want_lse: bool,
-    pub lse: Arc<Mutex<Option<Storage>>>,
+    pub lse: LseSlot,
+}
+
+/// Where the attention op's forward leaves its LSE storage for the op that hands it out as a
+/// tensor ([`Emit`]). A candle custom op has one output and candle has no view of a storage in
+/// another dtype, so O and LSE in one output would cost a copy of the LSE per call: they are two
+/// outputs of two ops instead, the storage moved from one to the other without a copy
+/// (docs/decisions.md#lse-beside-o). Filled by one forward, emptied by the one `Emit` that follows
+/// it.
+#[derive(Clone, Default)]
+pub(crate) struct LseSlot(Arc<Mutex<Option<Storage>>>);
+
+impl LseSlot {
+    fn put(&self, s: Storage) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
+    }
+    fn take(&self) -> Result<Storage> {
+        let s = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        s.ok_or_else(|| {
+            candle_core::Error::Msg("flashcore: internal: forward produced no lse".into())
+        })
+    }
 }
 
 /// A packed batch's description as the caller gives it.
@@ -40,7 +61,7 @@ struct SeqSpan {
 impl FlashAttn {
     fn stash_lse(&self, s: Storage) {
         if self.want_lse {
-            *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
+            self.lse.put(s);
         }
     }
 
@@ -254,7 +275,7 @@ struct Emit {
 
 enum EmitSrc {
     /// Storage stashed by the attention op's forward (moved out, no copy).
-    Slot(Arc<Mutex<Option<Storage>>>, Shape),
+    Slot(LseSlot, Shape),
     /// A contiguous tensor on q's device (copied).
     Tensor(Tensor),
 }
@@ -262,13 +283,7 @@ enum EmitSrc {
 impl Emit {
     fn take(&self) -> Result<(Storage, Shape)> {
         match &self.src {
-            EmitSrc::Slot(slot, shape) => {
-                let s = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
-                let s = s.ok_or_else(|| {
-                    candle_core::Error::Msg("flashcore: internal: forward produced no lse".into())
-                })?;
-                Ok((s, shape.clone()))
-            }
+            EmitSrc::Slot(slot, shape) => Ok((slot.take()?, shape.clone())),
             EmitSrc::Tensor(t) => {
                 let (st, l) = t.storage_and_layout();
                 let s = match &*st {
@@ -412,7 +427,7 @@ fn apply(
         ..problem
     };
     let lse_shape = problem.lse_shape();
-    let slot = Arc::new(Mutex::new(None));
+    let slot = LseSlot::default();
     let op = FlashAttn {
         problem,
         extra,

@@ -100,7 +100,11 @@ impl Ask {
             KDType::Bf16 => DType::BF16,
             KDType::F16 => DType::F16,
         };
-        let hkv = if self.hq.is_multiple_of(8) { 8 } else { self.hq };
+        let hkv = if self.hq.is_multiple_of(8) {
+            8
+        } else {
+            self.hq
+        };
         let row = Tensor::zeros((1, 1, 1, self.d), dt, &Host::Cpu)?;
         let q = row.broadcast_as((self.b, self.sq, self.hq, self.d))?;
         let kv = row.broadcast_as((self.b, self.sk, hkv, self.d))?;
@@ -604,7 +608,7 @@ fn key_split_twins_precede_their_kernel() {
     );
 }
 
-/// The dispatcher's grid arithmetic (src/cuda/mod.rs `kv_splits`, `decode_beats_starved_prefill`,
+/// The planner's grid arithmetic (src/plan/choose.rs `kv_splits`, `decode_beats_starved_prefill`,
 /// `Variant::serves_grid`) counts query tiles of `SM90_SMALL_BLOCK_M` rows: the tiles it weighs
 /// (the key-split twins, the causal tiles up to d128 but the d64 192-row one, the small-grid d64
 /// tiles) must have that height.
