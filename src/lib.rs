@@ -102,6 +102,7 @@ mod knobs;
 mod merge;
 mod op;
 mod params;
+pub mod plan;
 mod reference;
 
 #[cfg(feature = "cuda")]

@@ -5,36 +5,39 @@ use crate::params::{
     check_cu_seqlens, check_pages, validate, validate_paged, validate_varlen, AttnParams, Keys,
     Problem, Seqs,
 };
+pub(crate) use crate::params::{Extra, PagedKv};
 use crate::reference;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 use std::sync::{Arc, Mutex};
 
-/// The tensors beside q/k/v that a launch reads (on q's device): ALiBi slopes, sinks; for a packed
-/// batch the prefix sums (`cu_k` only when the keys are rows of k/v); for a paged cache the page
-/// table and the keys of each sequence.
-#[derive(Clone, Default)]
-pub(crate) struct Extra {
-    pub alibi_slopes: Option<Tensor>,
-    /// Attention sinks `(heads_q,)` f32 (`AttnParams::sinks`).
-    pub sinks: Option<Tensor>,
-    pub cu_q: Option<Tensor>,
-    pub cu_k: Option<Tensor>,
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub page_table: Option<Tensor>,
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub seqlens_k: Option<Tensor>,
-    /// F8E4M3 K/V read as they are by a GPU kernel (`fp8::in_kernel`): their scales.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub kv_scales: Option<crate::KvScales>,
-}
-
 pub(crate) struct FlashAttn {
     pub problem: Problem,
     pub extra: Extra,
-    /// Set by the forward when the caller asked for the log-sum-exp.
+    /// Whether the caller asked for the log-sum-exp: the forward then leaves it in `lse`.
     pub want_lse: bool,
-    pub lse: Arc<Mutex<Option<Storage>>>,
+    pub lse: LseSlot,
+}
+
+/// Where the attention op's forward leaves its LSE storage for the op that hands it out as a
+/// tensor ([`Emit`]). A candle custom op has one output and candle has no view of a storage in
+/// another dtype, so O and LSE in one output would cost a copy of the LSE per call: they are two
+/// outputs of two ops instead, the storage moved from one to the other without a copy
+/// (docs/decisions.md#lse-beside-o). Filled by one forward, emptied by the one `Emit` that follows
+/// it.
+#[derive(Clone, Default)]
+pub(crate) struct LseSlot(Arc<Mutex<Option<Storage>>>);
+
+impl LseSlot {
+    fn put(&self, s: Storage) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
+    }
+    fn take(&self) -> Result<Storage> {
+        let s = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        s.ok_or_else(|| {
+            candle_core::Error::Msg("flashcore: internal: forward produced no lse".into())
+        })
+    }
 }
 
 /// A packed batch's description as the caller gives it.
@@ -58,7 +61,7 @@ struct SeqSpan {
 impl FlashAttn {
     fn stash_lse(&self, s: Storage) {
         if self.want_lse {
-            *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
+            self.lse.put(s);
         }
     }
 
@@ -272,7 +275,7 @@ struct Emit {
 
 enum EmitSrc {
     /// Storage stashed by the attention op's forward (moved out, no copy).
-    Slot(Arc<Mutex<Option<Storage>>>, Shape),
+    Slot(LseSlot, Shape),
     /// A contiguous tensor on q's device (copied).
     Tensor(Tensor),
 }
@@ -280,13 +283,7 @@ enum EmitSrc {
 impl Emit {
     fn take(&self) -> Result<(Storage, Shape)> {
         match &self.src {
-            EmitSrc::Slot(slot, shape) => {
-                let s = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
-                let s = s.ok_or_else(|| {
-                    candle_core::Error::Msg("flashcore: internal: forward produced no lse".into())
-                })?;
-                Ok((s, shape.clone()))
-            }
+            EmitSrc::Slot(slot, shape) => Ok((slot.take()?, shape.clone())),
             EmitSrc::Tensor(t) => {
                 let (st, l) = t.storage_and_layout();
                 let s = match &*st {
@@ -435,7 +432,7 @@ fn apply(
         ..problem
     };
     let lse_shape = problem.lse_shape();
-    let slot = Arc::new(Mutex::new(None));
+    let slot = LseSlot::default();
     let op = FlashAttn {
         problem,
         extra,
@@ -571,14 +568,6 @@ pub(crate) fn run_varlen(
         ..Default::default()
     };
     apply(q, k, v, problem, extra, want_lse)
-}
-
-/// A paged cache's description as the caller gives it.
-pub(crate) struct PagedKv<'a> {
-    pub k_pages: &'a Tensor,
-    pub v_pages: &'a Tensor,
-    pub page_table: &'a Tensor,
-    pub seqlens_k: &'a Tensor,
 }
 
 /// Validates attention over a paged cache and runs it: q dense `(b, sq, hq, d)`, or packed

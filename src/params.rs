@@ -1141,3 +1141,30 @@ pub(crate) fn validate_append(
         max_pages,
     })
 }
+
+/// The tensors beside q/k/v that a launch reads (on q's device): ALiBi slopes, sinks; for a packed
+/// batch the prefix sums (`cu_k` only when the keys are rows of k/v); for a paged cache the page
+/// table and the keys of each sequence.
+#[derive(Clone, Default)]
+pub(crate) struct Extra {
+    pub alibi_slopes: Option<Tensor>,
+    /// Attention sinks `(heads_q,)` f32 (`AttnParams::sinks`).
+    pub sinks: Option<Tensor>,
+    pub cu_q: Option<Tensor>,
+    pub cu_k: Option<Tensor>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub page_table: Option<Tensor>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub seqlens_k: Option<Tensor>,
+    /// F8E4M3 K/V read as they are by a GPU kernel (`fp8::in_kernel`): their scales.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub kv_scales: Option<KvScales>,
+}
+
+/// A paged cache's description as the caller gives it.
+pub(crate) struct PagedKv<'a> {
+    pub k_pages: &'a Tensor,
+    pub v_pages: &'a Tensor,
+    pub page_table: &'a Tensor,
+    pub seqlens_k: &'a Tensor,
+}

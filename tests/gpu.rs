@@ -735,7 +735,7 @@ fn sm90_route_asserted(dev: &Device, sms: impl Fn(usize) -> bool) -> Result<bool
 
 /// On sm_90 a few more query rows than the decode's 16 run its split-KV kernels over long keys
 /// when the prefill grid would leave SMs idle and the packed rows make at most 16 blocks of 64
-/// from 4k keys (`decode_beats_starved_prefill` in src/cuda/mod.rs): each case against the
+/// from 4k keys (`decode_beats_starved_prefill` in src/plan/choose.rs): each case against the
 /// reference, and on sm90 the route asserted, on both sides of each bound.
 #[test]
 fn decode_takes_a_few_more_rows_on_sm90() -> Result<()> {
@@ -778,7 +778,7 @@ fn decode_takes_a_few_more_rows_on_sm90() -> Result<()> {
 
 /// sm90 grids of few 128-row query tiles split each tile's keys over a cluster of 2 or 4 CTAs
 /// whose rank 0 gathers the others' partials through distributed shared memory (the key-split
-/// twins, `kv_splits` in src/cuda/mod.rs): awkward lengths (1 to 9000 keys, seq_q above seq_k
+/// twins, `kv_splits` in src/plan/choose.rs): awkward lengths (1 to 9000 keys, seq_q above seq_k
 /// causal so that some ranks walk no key of their own and some rows see no key at all), GQA
 /// 1 / 4 / 8, strided views, both dtypes; each against the reference with poisoned outputs, and
 /// on a 132-SM sm90 GPU (H100 SXM, H200) the route and cluster size asserted.

@@ -984,7 +984,7 @@ fn decode_balanced_splits() -> Result<()> {
 }
 
 /// Decode grids of more than one wave whose CTAs per SM the dispatcher caps below what their
-/// shared memory allows (sm_90; `decode_capped_smem` in src/cuda/mod.rs): the same kernels with
+/// shared memory allows (sm_90; `decode_capped_smem` in src/plan/decode.rs): the same kernels with
 /// more shared memory reserved, so more CTAs run one after another on each SM. Dense caches
 /// (d128 at 48 sequences: one CTA per SM; d64 at 64: two), packed lengths and paged pools of 256
 /// rows (one CTA per SM) and of 64 (left at two: pages shorter than two key tiles). The route

@@ -1,16 +1,137 @@
-//! The variant table (kernels/variants.rs) on its own, without a GPU: one symbol per kernel, and
-//! every problem class of the sm80 family has a tile for each GPU it targets.
+//! The variant table (kernels/variants.rs) on its own, without a GPU: one symbol per kernel, every
+//! problem class has a kernel on each GPU it targets, and the planner (src/plan/) picks the tiles
+//! these tests name, asked with made-up device descriptions.
 
-#[allow(dead_code)]
-mod table {
-    include!("../kernels/variants.rs");
-}
-use table::*;
+use candle_core::{DType, Device as Host, Tensor};
+use flashcore::plan::variants::*;
+use flashcore::plan::{plan_dense, Arch, Device, Options};
+use flashcore::{AttnParams, Mask};
 
 /// Opt-in shared memory per block: sm_86/89, sm_80, sm_90.
 const SMEM_SM86: u32 = 99 * 1024;
 const SMEM_SM80: u32 = 163 * 1024;
 const SMEM_SM90: u32 = 227 * 1024;
+
+/// Made-up devices: an H100 (132 SMs), an A100 (108 SMs, 163 KB per block), an sm_86 part (82
+/// SMs, 99 KB per block).
+const H100: Device = Device {
+    major: 9,
+    minor: 0,
+    sm_count: 132,
+    smem_per_block: SMEM_SM90,
+    smem_per_sm: 228 * 1024,
+    smem_reserved_per_block: 1024,
+    dram_bytes_per_s: 3.35e12,
+};
+const A100: Device = Device {
+    major: 8,
+    minor: 0,
+    sm_count: 108,
+    smem_per_block: SMEM_SM80,
+    smem_per_sm: 164 * 1024,
+    smem_reserved_per_block: 1024,
+    dram_bytes_per_s: 1.555e12,
+};
+const SM86: Device = Device {
+    major: 8,
+    minor: 6,
+    sm_count: 82,
+    smem_per_block: SMEM_SM86,
+    smem_per_sm: 100 * 1024,
+    smem_reserved_per_block: 1024,
+    dram_bytes_per_s: 0.936e12,
+};
+
+/// The sm80 family on each of its targets: the sm_86 part, the A100, and the H100 forced to it
+/// (its 227 KB per block).
+fn sm80_targets() -> [(Device, Options<'static>); 3] {
+    let forced = Options {
+        arch: Some(Arch::Sm80),
+        ..Options::default()
+    };
+    [
+        (SM86, Options::default()),
+        (A100, Options::default()),
+        (H100, forced),
+    ]
+}
+
+/// A problem to ask the planner about: `b` x `sq` query rows of `hq` heads (8 K/V heads where
+/// `hq` allows, else `hq`) over `sk` keys, head dim `d`, `mask` as a kernel family names it
+/// (`Local`: a causal window of a quarter of the keys), with or without a softcap. The tensors are zero-stride
+/// views of one row: only shapes and strides are read.
+struct Ask {
+    dtype: KDType,
+    d: usize,
+    mask: KMask,
+    b: usize,
+    sq: usize,
+    sk: usize,
+    hq: usize,
+    cap: bool,
+}
+
+impl Ask {
+    /// A large grid (64 x 64 (batch, head) pairs) of `sq` rows.
+    fn new(dtype: KDType, d: u32, mask: KMask, sq: usize) -> Ask {
+        Ask {
+            dtype,
+            d: d as usize,
+            mask,
+            b: 64,
+            sq,
+            sk: sq,
+            hq: 64,
+            cap: false,
+        }
+    }
+    fn cap(self, cap: bool) -> Ask {
+        Ask { cap, ..self }
+    }
+    fn keys(self, sk: usize) -> Ask {
+        Ask { sk, ..self }
+    }
+    fn grid(self, b: usize, hq: usize) -> Ask {
+        Ask { b, hq, ..self }
+    }
+    /// The kernel the planner gives this problem on `dev`, or its error.
+    fn on(&self, dev: &Device, opts: &Options) -> candle_core::Result<&'static Variant> {
+        let dt = match self.dtype {
+            KDType::Bf16 => DType::BF16,
+            KDType::F16 => DType::F16,
+        };
+        let hkv = if self.hq.is_multiple_of(8) {
+            8
+        } else {
+            self.hq
+        };
+        let row = Tensor::zeros((1, 1, 1, self.d), dt, &Host::Cpu)?;
+        let q = row.broadcast_as((self.b, self.sq, self.hq, self.d))?;
+        let kv = row.broadcast_as((self.b, self.sk, hkv, self.d))?;
+        let mask = match self.mask {
+            KMask::None => Mask::None,
+            KMask::Causal => Mask::Causal,
+            KMask::Local => Mask::Window {
+                left: Some((self.sk / 4).max(1)),
+                right: Some(0),
+            },
+        };
+        let params = AttnParams {
+            mask,
+            softcap: self.cap.then_some(30.0),
+            ..AttnParams::default()
+        };
+        Ok(plan_dense(&q, &kv, &kv, &params, dev, opts)?.variant)
+    }
+    fn take(&self, dev: &Device, opts: &Options) -> &'static Variant {
+        self.on(dev, opts).unwrap_or_else(|e| {
+            panic!(
+                "{:?} d{} {:?} b{} sq{} sk{} hq{} cap {}: {e}",
+                self.dtype, self.d, self.mask, self.b, self.sq, self.sk, self.hq, self.cap
+            )
+        })
+    }
+}
 
 #[test]
 fn symbols_are_unique() {
@@ -24,71 +145,35 @@ fn symbols_are_unique() {
     }
 }
 
-/// What the dispatcher does (src/cuda/mod.rs `choose`): the first entry of a class that fits the
-/// smem and admits seq_q and the problem's softcap choice.
-fn pick_cap(
-    (family, kind, dtype, d, mask): (&str, KKind, KDType, u32, KMask),
-    smem: u32,
-    sq: u32,
-    cap: bool,
-) -> Option<&'static Variant> {
-    VARIANTS.iter().find(|v| {
-        v.family == family
-            && v.kind == kind
-            && v.dtype == dtype
-            && v.head_dim == d
-            && v.mask == mask
-            && v.smem_bytes() <= smem
-            && sq <= v.max_sq
-            && v.admits_softcap(cap)
-            && v.narrow == 0 // the class's own head dim: narrow twins serve narrower ones
-            && !v.kv_split // full grids: no key split
-            && v.serves_grid(sq as usize, 1 << 12, 132) // a grid that fills every tile
-    })
-}
-
-fn pick_sq(
-    class: (&str, KKind, KDType, u32, KMask),
-    smem: u32,
-    sq: u32,
-) -> Option<&'static Variant> {
-    pick_cap(class, smem, sq, false)
-}
-
-fn pick(
-    family: &str,
-    kind: KKind,
-    dtype: KDType,
-    d: u32,
-    mask: KMask,
-    smem: u32,
-) -> Option<&'static Variant> {
-    pick_sq((family, kind, dtype, d, mask), smem, 1)
-}
-
+/// Every problem class has a kernel on every target at every seq_q: the planner answers (and
+/// within the device's shared memory).
 #[test]
 fn every_class_serves_every_seq_len() {
-    // An entry with a max_sq must be followed by one that takes longer queries.
-    for v in VARIANTS {
-        let class = (v.family, v.kind, v.dtype, v.head_dim, v.mask);
-        for sq in [1, 1024, 1025, 2048, 2049, 4096, 4097, 1 << 20] {
-            assert!(
-                pick_sq(class, SMEM_SM90, sq).is_some(),
-                "{}: nothing serves seq_q {sq}",
-                v.symbol()
-            );
+    let targets = sm80_targets()
+        .into_iter()
+        .chain([(H100, Options::default())]);
+    for (dev, opts) in targets {
+        for dtype in [KDType::Bf16, KDType::F16] {
+            for d in [64, 128, 256] {
+                for mask in [KMask::None, KMask::Causal, KMask::Local] {
+                    for sq in [1, 16, 17, 1024, 1025, 2048, 2049, 4096, 4097, 1 << 20] {
+                        let b = if sq > 4097 { 1 } else { 64 };
+                        let v = Ask::new(dtype, d, mask, sq).grid(b, 64).take(&dev, &opts);
+                        assert!(v.smem_bytes() <= dev.smem_per_block, "{}", v.symbol());
+                    }
+                }
+            }
         }
     }
-    let class = ("sm90", KKind::Fwd, KDType::Bf16, 64, KMask::Causal);
-    let short = pick_sq(class, SMEM_SM90, 1024).unwrap();
-    let long = pick_sq(class, SMEM_SM90, 1025).unwrap();
+    let h100 = |dtype, d, mask, sq| Ask::new(dtype, d, mask, sq).take(&H100, &Options::default());
+    let short = h100(KDType::Bf16, 64, KMask::Causal, 1024);
+    let long = h100(KDType::Bf16, 64, KMask::Causal, 1025);
     assert_eq!((short.block_m, long.block_m), (128, 192));
     for dtype in [KDType::Bf16, KDType::F16] {
         // d64 non-causal: four consumer warpgroups on 256x64 with a 4-deep K/V ring up to 1k
         // query rows, three on 192x128 above (docs/decisions.md#d64-four-warpgroups).
-        let class = ("sm90", KKind::Fwd, dtype, 64, KMask::None);
-        let short = pick_sq(class, SMEM_SM90, 1024).unwrap();
-        let long = pick_sq(class, SMEM_SM90, 1025).unwrap();
+        let short = h100(dtype, 64, KMask::None, 1024);
+        let long = h100(dtype, 64, KMask::None, 1025);
         assert_eq!(
             (short.block_m, short.block_n, short.warps, short.stages),
             (256, 64, 20, 4)
@@ -99,42 +184,28 @@ fn every_class_serves_every_seq_len() {
             (192, 128, 2, 2)
         );
         assert!(long.symbol().ends_with("_192x128_q2"), "{}", long.symbol());
-        let class = ("sm90", KKind::Fwd, dtype, 128, KMask::None);
-        let short = pick_sq(class, SMEM_SM90, 1024).unwrap();
-        let long = pick_sq(class, SMEM_SM90, 1025).unwrap();
+        let short = h100(dtype, 128, KMask::None, 1024);
+        let long = h100(dtype, 128, KMask::None, 1025);
         assert_eq!((short.block_n, long.block_n), (128, 160));
         assert!(long.smem_bytes() <= SMEM_SM90, "{}", long.smem_bytes());
         for mask in [KMask::None, KMask::Causal] {
-            let class = ("sm90", KKind::Fwd, dtype, 256, mask);
-            let short = pick_sq(class, SMEM_SM90, 2048).unwrap();
-            let long = pick_sq(class, SMEM_SM90, 2049).unwrap();
+            let short = h100(dtype, 256, mask, 2048);
+            let long = h100(dtype, 256, mask, 2049);
             assert_eq!((short.block_n, long.block_n), (64, 80), "d256 {mask:?}");
         }
     }
 }
 
-/// On grids of at most one 128-row d64 query tile per SM the dispatcher takes the 128-row
-/// tiles (`Variant::serves_grid`); larger grids keep the 256- and 192-row tiles.
+/// On grids of at most one 128-row d64 query tile per SM the planner takes the 128-row tiles
+/// (`Variant::serves_grid`); larger grids keep the 256- and 192-row tiles.
 #[test]
 fn small_d64_grids_take_128_row_tiles() {
-    let sms = 132;
     let take = |mask: KMask, sq: usize, bh: usize| {
-        VARIANTS
-            .iter()
-            .find(|v| {
-                v.family == "sm90"
-                    && v.kind == KKind::Fwd
-                    && v.dtype == KDType::Bf16
-                    && v.head_dim == 64
-                    && v.mask == mask
-                    && v.narrow == 0
-                    && !v.paged
-                    && !v.softcap
-                    && sq as u32 <= v.max_sq
-                    && v.serves_grid(sq, bh, sms)
-            })
-            .map(|v| v.block_m)
-            .expect("a d64 sm90 kernel")
+        let v = Ask::new(KDType::Bf16, 64, mask, sq)
+            .grid(1, bh)
+            .take(&H100, &Options::default());
+        assert_eq!((v.family, v.kind), ("sm90", KKind::Fwd), "{}", v.symbol());
+        v.block_m
     };
     // (mask, seq_q, batch x heads, block_m)
     let cases = [
@@ -166,17 +237,23 @@ fn small_d64_grids_take_128_row_tiles() {
     }
 }
 
+/// Every sm80 forward and decode class has a kernel within each target's shared memory: a
+/// 99 KB device never gets a larger one.
 #[test]
 fn every_sm80_class_fits_every_target() {
-    for dtype in [KDType::Bf16, KDType::F16] {
-        for d in [64, 128, 256] {
-            for mask in [KMask::None, KMask::Causal, KMask::Local] {
-                for kind in [KKind::Fwd, KKind::Decode] {
-                    for smem in [SMEM_SM86, SMEM_SM80, SMEM_SM90] {
-                        let v = pick("sm80", kind, dtype, d, mask, smem);
+    for (dev, opts) in sm80_targets() {
+        for dtype in [KDType::Bf16, KDType::F16] {
+            for d in [64, 128, 256] {
+                for mask in [KMask::None, KMask::Causal, KMask::Local] {
+                    for (kind, sq) in [(KKind::Fwd, 1024), (KKind::Decode, 4)] {
+                        let v = Ask::new(dtype, d, mask, sq).keys(4096).take(&dev, &opts);
+                        assert_eq!((v.family, v.kind, v.mask), ("sm80", kind, mask));
                         assert!(
-                            v.is_some(),
-                            "no sm80 {kind:?} {dtype:?} d{d} {mask:?} tile within {smem} B of smem"
+                            v.smem_bytes() <= dev.smem_per_block,
+                            "{} needs {} B, the device has {}",
+                            v.symbol(),
+                            v.smem_bytes(),
+                            dev.smem_per_block
                         );
                     }
                 }
@@ -189,15 +266,11 @@ fn every_sm80_class_fits_every_target() {
 fn larger_tiles_are_preferred_where_they_fit() {
     // d256: the 226 KB warp-pair tile on sm_90, the 128 KB tile on sm_80, the 96 KB one on
     // sm_86/89.
-    let pairs = pick(
-        "sm80",
-        KKind::Fwd,
-        KDType::Bf16,
-        256,
-        KMask::None,
-        SMEM_SM90,
-    )
-    .unwrap();
+    let [sm86, a100, h100] = sm80_targets();
+    let d256 = |(dev, opts): &(Device, Options)| {
+        Ask::new(KDType::Bf16, 256, KMask::None, 1024).take(dev, opts)
+    };
+    let pairs = d256(&h100);
     assert!(pairs.warp_pairs, "{}", pairs.symbol());
     // 128x128 Q/K/V tiles, 128x128 P tile, 2 x 8 warps x 32 rows of f32 row statistics.
     assert_eq!(
@@ -205,24 +278,8 @@ fn larger_tiles_are_preferred_where_they_fit() {
         (128, 128, 192 * 1024 + 32 * 1024 + 2048)
     );
     assert!(pairs.symbol().ends_with("_128x128p"), "{}", pairs.symbol());
-    let big = pick(
-        "sm80",
-        KKind::Fwd,
-        KDType::Bf16,
-        256,
-        KMask::None,
-        SMEM_SM80,
-    )
-    .unwrap();
-    let small = pick(
-        "sm80",
-        KKind::Fwd,
-        KDType::Bf16,
-        256,
-        KMask::None,
-        SMEM_SM86,
-    )
-    .unwrap();
+    let big = d256(&a100);
+    let small = d256(&sm86);
     assert_eq!(
         (big.block_m, big.block_n, big.smem_bytes()),
         (128, 64, 128 * 1024)
@@ -253,10 +310,10 @@ fn larger_tiles_are_preferred_where_they_fit() {
 fn sm80_d128_tiles_per_mask() {
     // Non-causal 128x48 (80 KB: fits sm_86/89 too), causal 128x32, local 64x64
     // (docs/decisions.md#sm80-tiles); one choice on every smem budget.
-    for smem in [SMEM_SM86, SMEM_SM80, SMEM_SM90] {
+    for (dev, opts) in sm80_targets() {
         for dtype in [KDType::Bf16, KDType::F16] {
             let tile = |mask| {
-                let v = pick("sm80", KKind::Fwd, dtype, 128, mask, smem).unwrap();
+                let v = Ask::new(dtype, 128, mask, 1024).take(&dev, &opts);
                 (v.block_m, v.block_n, v.warps, v.stages, v.smem_bytes())
             };
             assert_eq!(tile(KMask::None), (128, 48, 4, 2, 80 * 1024));
@@ -266,51 +323,61 @@ fn sm80_d128_tiles_per_mask() {
     }
 }
 
-/// Softcap: every sm80 class (forward and decode, every smem budget, every seq_q) has a kernel
-/// that computes it, and the softcap twins serve softcap problems only. d128 without a mask takes
-/// the 128x32 twin (the 128x48 tile has no softcap body); sm90 d256 takes its `_cap` twins, and
-/// sm90 d64/d128 have none (those problems run on the sm80 family).
+/// Softcap: every sm80 class (forward and decode, every target, every seq_q) has a kernel that
+/// computes it, and the softcap twins serve softcap problems only. d128 without a mask takes the
+/// 128x32 twin (the 128x48 tile has no softcap body); sm90 d256 takes its `_cap` twins, and sm90
+/// d64/d128 have none (those problems run on the sm80 family).
 #[test]
 fn softcap_has_a_kernel_everywhere() {
     for dtype in [KDType::Bf16, KDType::F16] {
         for d in [64, 128, 256] {
             for mask in [KMask::None, KMask::Causal, KMask::Local] {
-                for kind in [KKind::Fwd, KKind::Decode] {
-                    for smem in [SMEM_SM86, SMEM_SM80, SMEM_SM90] {
-                        for sq in [1, 1024, 1025, 2049, 1 << 20] {
-                            let class = ("sm80", kind, dtype, d, mask);
-                            let v = pick_cap(class, smem, sq, true).unwrap_or_else(|| {
-                                panic!("no sm80 softcap kernel: {class:?} smem {smem} sq {sq}")
-                            });
-                            assert!(v.has_cap_body() || v.softcap, "{}", v.symbol());
-                            let plain = pick_cap(class, smem, sq, false).unwrap();
-                            assert!(!plain.softcap, "{}", plain.symbol());
-                        }
+                for (dev, opts) in sm80_targets() {
+                    for sq in [4, 17, 1024, 1025, 2049, 1 << 20] {
+                        let b = if sq > 4096 { 1 } else { 64 };
+                        let ask = Ask::new(dtype, d, mask, sq).keys(sq.max(4096)).grid(b, 64);
+                        let v = ask.cap(true).take(&dev, &opts);
+                        assert!(v.has_cap_body() || v.softcap, "{}", v.symbol());
+                        let plain = Ask::new(dtype, d, mask, sq)
+                            .keys(sq.max(4096))
+                            .grid(b, 64)
+                            .take(&dev, &opts);
+                        assert!(!plain.softcap, "{}", plain.symbol());
+                        assert_eq!(v.family, "sm80");
                     }
                 }
             }
             for mask in [KMask::None, KMask::Causal] {
-                let class = ("sm90", KKind::Fwd, dtype, d, mask);
                 for sq in [1024, 2049] {
-                    let capped = pick_cap(class, SMEM_SM90, sq, true);
-                    let plain = pick_cap(class, SMEM_SM90, sq, false).unwrap();
+                    let ask = || Ask::new(dtype, d, mask, sq);
+                    let capped = ask().cap(true).take(&H100, &Options::default());
+                    let plain = ask().take(&H100, &Options::default());
                     assert!(
-                        !plain.softcap && !plain.has_cap_body(),
+                        plain.family == "sm90" && !plain.softcap && !plain.has_cap_body(),
                         "{}",
                         plain.symbol()
                     );
                     if d == 256 {
-                        let c = capped.unwrap();
-                        assert!(c.softcap && c.symbol().ends_with("_cap"), "{}", c.symbol());
-                        assert_eq!((c.block_m, c.block_n), (plain.block_m, plain.block_n));
+                        assert!(
+                            capped.family == "sm90" && capped.softcap,
+                            "{}",
+                            capped.symbol()
+                        );
+                        assert!(capped.symbol().ends_with("_cap"), "{}", capped.symbol());
+                        assert_eq!(
+                            (capped.block_m, capped.block_n),
+                            (plain.block_m, plain.block_n)
+                        );
                     } else {
-                        assert!(capped.is_none(), "{:?}", capped.map(|v| v.symbol()));
+                        assert_eq!(capped.family, "sm80", "{}", capped.symbol());
                     }
                 }
             }
         }
-        let class = ("sm80", KKind::Fwd, dtype, 128, KMask::None);
-        let v = pick_cap(class, SMEM_SM86, 4096, true).unwrap();
+        let [sm86, ..] = sm80_targets();
+        let v = Ask::new(dtype, 128, KMask::None, 4096)
+            .cap(true)
+            .take(&sm86.0, &sm86.1);
         assert!(v.symbol().ends_with("_128x32_cap"), "{}", v.symbol());
     }
     for v in VARIANTS.iter().filter(|v| v.softcap) {
@@ -541,7 +608,7 @@ fn key_split_twins_precede_their_kernel() {
     );
 }
 
-/// The dispatcher's grid arithmetic (src/cuda/mod.rs `kv_splits`, `decode_beats_starved_prefill`,
+/// The planner's grid arithmetic (src/plan/choose.rs `kv_splits`, `decode_beats_starved_prefill`,
 /// `Variant::serves_grid`) counts query tiles of `SM90_SMALL_BLOCK_M` rows: the tiles it weighs
 /// (the key-split twins, the causal tiles up to d128 but the d64 192-row one, the small-grid d64
 /// tiles) must have that height.

@@ -6,30 +6,7 @@
 use crate::knobs::knobs;
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 
-/// A kernel family.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    /// mma.sync + ldmatrix + cp.async (sm_80/86/89 SASS, sm_90 SASS, compute_80 PTX).
-    Sm80,
-    /// wgmma + TMA + warp specialisation (sm_90a).
-    Sm90,
-}
-
-impl Arch {
-    pub fn family(self) -> &'static str {
-        match self {
-            Arch::Sm80 => "sm80",
-            Arch::Sm90 => "sm90",
-        }
-    }
-    pub fn parse(s: &str) -> Option<Arch> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "sm80" | "sm_80" | "80" => Some(Arch::Sm80),
-            "sm90" | "sm_90" | "sm90a" | "90" => Some(Arch::Sm90),
-            _ => None,
-        }
-    }
-}
+pub use crate::plan::Arch;
 
 static OVERRIDE: AtomicU8 = AtomicU8::new(0);
 
@@ -44,7 +21,8 @@ pub fn set_arch_override(arch: Option<Arch>) {
     OVERRIDE.store(v, Ordering::Relaxed);
 }
 
-fn forced() -> candle_core::Result<Option<Arch>> {
+/// The family forced by [`set_arch_override`] or `FLASHCORE_ARCH`, if any.
+pub(crate) fn forced() -> candle_core::Result<Option<Arch>> {
     match OVERRIDE.load(Ordering::Relaxed) {
         1 => return Ok(Some(Arch::Sm80)),
         2 => return Ok(Some(Arch::Sm90)),
@@ -53,26 +31,9 @@ fn forced() -> candle_core::Result<Option<Arch>> {
     knobs().arch.clone().map_err(candle_core::Error::Msg)
 }
 
-/// The family for a GPU of compute capability `major.minor`.
+/// The family for a GPU of compute capability `major.minor`, with the overrides in force.
 pub fn select(major: i32, minor: i32) -> candle_core::Result<Arch> {
-    let native = match (major, minor) {
-        (9, 0) => Arch::Sm90,
-        (8, _) => Arch::Sm80,
-        // Blackwell and later run the sm80 family (compute_80 PTX, JIT-compiled by the driver).
-        (m, _) if m >= 10 => Arch::Sm80,
-        (m, n) => {
-            return Err(candle_core::Error::Msg(format!(
-                "flashcore: the CUDA kernels need compute capability >= 8.0 (Ampere), got {m}.{n}"
-            )))
-        }
-    };
-    match forced()? {
-        Some(Arch::Sm90) if (major, minor) != (9, 0) => Err(candle_core::Error::Msg(format!(
-            "flashcore: the sm90 family needs compute capability 9.0, got {major}.{minor}"
-        ))),
-        Some(a) => Ok(a),
-        None => Ok(native),
-    }
+    crate::plan::select_family(major, minor, forced()?)
 }
 
 static SMEM_LIMIT: AtomicU32 = AtomicU32::new(0);

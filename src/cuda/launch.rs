@@ -5,7 +5,7 @@ use super::params::FcParams;
 use super::variants;
 use crate::knobs::knobs;
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
-use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -137,23 +137,21 @@ fn raise_smem(
     })
 }
 
-/// Launches `f(params)` and checks the launch. With `FLASHCORE_SYNC=1` it also synchronises
-/// and reports asynchronous faults against this kernel (debugging aid).
+/// Launches `f(params)` through [`launch`] with the attributes `ex`.
 pub(crate) fn launch_params(
     stream: &Arc<CudaStream>,
     f: &CudaFunction,
     cfg: LaunchConfig,
     params: &FcParams,
+    ex: Ex,
     kernel: &str,
     shape: Shape,
 ) -> candle_core::Result<()> {
-    let mut b = stream.launch_builder(f);
-    b.arg(params);
-    // SAFETY: the kernel's signature is `(const FcParams)`; every pointer in `params` refers to a
-    // live allocation of the sizes the kernel reads or writes (checked by the caller).
-    unsafe { b.launch(cfg) }
-        .map_err(|e| launch_err(kernel, shape, &cfg, "", format!("launch failed: {e}")))?;
-    check_sync(stream, kernel, shape)
+    let mut args = [params as *const FcParams as *mut std::ffi::c_void];
+    // SAFETY: the kernel's signature is `(const FcParams)`; `args` holds one pointer to it, alive
+    // for the call (the driver copies parameters at launch). Pointers inside `params` refer to
+    // live allocations (checked by the caller).
+    unsafe { launch(stream, f, cfg, &mut args, ex, kernel, shape) }
 }
 
 /// `what` plus the launch geometry (and `how`, e.g. the launch kind), as a kernel error.
@@ -174,60 +172,12 @@ fn launch_err(
     )
 }
 
-/// Launches `f(params)` with the attributes `ex` ([`launch_ex`]). Checked like
-/// [`launch_params`].
-pub(crate) fn launch_params_ex(
-    stream: &Arc<CudaStream>,
-    f: &CudaFunction,
-    cfg: LaunchConfig,
-    params: &FcParams,
-    ex: Ex,
-    kernel: &str,
-    shape: Shape,
-) -> candle_core::Result<()> {
-    let mut args = [params as *const FcParams as *mut std::ffi::c_void];
-    // SAFETY: the kernel's signature is `(const FcParams)`; `args` holds one pointer to it, alive
-    // for the call (the driver copies parameters at launch). Pointers inside `params` refer to
-    // live allocations (checked by the caller).
-    unsafe { launch_ex(stream, f, cfg, &mut args, ex, kernel, shape) }
-}
-
-/// Launches `f(params)` as a programmatic dependent of the previous kernel on `stream`
-/// (`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, sm_90+): the grid may be scheduled
-/// while the previous one drains, and must execute `griddepcontrol.wait` before it reads that
-/// kernel's output. Checked like [`launch_params`].
-pub(crate) fn launch_params_pdl(
-    stream: &Arc<CudaStream>,
-    f: &CudaFunction,
-    cfg: LaunchConfig,
-    params: &FcParams,
-    kernel: &str,
-    shape: Shape,
-) -> candle_core::Result<()> {
-    launch_params_ex(stream, f, cfg, params, Ex::pdl(), kernel, shape)
-}
-
-/// [`launch_params_pdl`] with any arguments.
-///
-/// # Safety
-/// `args` must point to values matching the kernel's parameters, alive for the call, and every
-/// device pointer among them must refer to a live allocation of the sizes the kernel uses.
-pub(crate) unsafe fn launch_pdl(
-    stream: &Arc<CudaStream>,
-    f: &CudaFunction,
-    cfg: LaunchConfig,
-    args: &mut [*mut std::ffi::c_void],
-    kernel: &str,
-    shape: Shape,
-) -> candle_core::Result<()> {
-    // SAFETY: as the caller promises.
-    unsafe { launch_ex(stream, f, cfg, args, Ex::pdl(), kernel, shape) }
-}
-
-/// Launch attributes of [`launch_ex`] (sm_90+).
+/// Launch attributes of [`launch`] (sm_90+; [`Ex::NONE`] is an ordinary launch).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Ex {
-    /// A programmatic dependent of the previous kernel on the stream.
+    /// A programmatic dependent of the previous kernel on the stream: the grid may be scheduled
+    /// while the previous one drains, and must execute `griddepcontrol.wait` before it reads
+    /// that kernel's output.
     pub pdl: bool,
     /// Thread-block clusters of this many consecutive blocks along x (1: none): the blocks of a
     /// cluster run at the same time on one GPC. The grid's x must be a multiple.
@@ -235,23 +185,40 @@ pub(crate) struct Ex {
 }
 
 impl Ex {
-    /// A programmatic dependent launch, unless `FLASHCORE_NO_PDL=1` (then an ordinary
-    /// stream-ordered launch, where `griddepcontrol.wait` is a no-op; for debugging;
-    /// src/knobs.rs).
-    fn pdl() -> Ex {
+    /// An ordinary stream-ordered launch.
+    pub const NONE: Ex = Ex {
+        pdl: false,
+        cluster: 1,
+    };
+
+    /// A programmatic dependent launch where `on` (the sm_90 SASS waits with
+    /// `griddepcontrol.wait`), unless `FLASHCORE_NO_PDL=1` (then an ordinary stream-ordered
+    /// launch, where the wait is a no-op; for debugging; src/knobs.rs).
+    pub fn pdl(on: bool) -> Ex {
         Ex {
-            pdl: !knobs().no_pdl,
+            pdl: on && !knobs().no_pdl,
             cluster: 1,
+        }
+    }
+
+    /// Clusters of `n` blocks (1: none).
+    pub fn clusters(n: u32) -> Ex {
+        Ex {
+            pdl: false,
+            cluster: n,
         }
     }
 }
 
-/// Launches `f(args)` through `cuLaunchKernelEx` with the attributes `ex`. Checked like
-/// [`launch_params`].
+/// Launches `f(args)` through `cuLaunchKernelEx` with the attributes `ex`: the one launch path of
+/// every kernel. Checked: a failure names the kernel, the problem and the launch geometry; with
+/// `FLASHCORE_SYNC=1` it also synchronises and reports asynchronous faults against this kernel
+/// (debugging aid).
 ///
 /// # Safety
-/// As [`launch_pdl`].
-pub(crate) unsafe fn launch_ex(
+/// `args` must point to values matching the kernel's parameters, alive for the call, and every
+/// device pointer among them must refer to a live allocation of the sizes the kernel uses.
+pub(crate) unsafe fn launch(
     stream: &Arc<CudaStream>,
     f: &CudaFunction,
     cfg: LaunchConfig,
@@ -366,15 +333,18 @@ pub(crate) fn fill(
         shared_mem_bytes: 0,
     };
     let n64 = n as u64;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&ptr).arg(&n64);
     let v16 = value as u16;
-    if word_bytes == 2 {
-        b.arg(&v16);
+    let vp = if word_bytes == 2 {
+        &v16 as *const u16 as *mut std::ffi::c_void
     } else {
-        b.arg(&value);
-    }
-    // SAFETY: `ptr` points at `n` words of `word_bytes` owned by the caller.
-    unsafe { b.launch(cfg) }.map_err(|e| err(sym, &shape, format!("launch failed: {e}")))?;
-    check_sync(stream, sym, &shape)
+        &value as *const u32 as *mut std::ffi::c_void
+    };
+    let mut args = [
+        &ptr as *const u64 as *mut std::ffi::c_void,
+        &n64 as *const u64 as *mut std::ffi::c_void,
+        vp,
+    ];
+    // SAFETY: signature (ptr, n, word) of the fill kernel of `word_bytes`, each argument alive
+    // for the call; `ptr` points at `n` words of `word_bytes` owned by the caller.
+    unsafe { launch(stream, &f, cfg, &mut args, Ex::NONE, sym, &shape) }
 }

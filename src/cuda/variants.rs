@@ -1,33 +1,12 @@
-//! The variant table (kernels/variants.rs, shared with build.rs) and the list of kernels this
-//! build compiled.
+//! The variant table (src/plan/variants.rs) and the list of kernels this build compiled.
 #![allow(dead_code)]
 
-include!("../../kernels/variants.rs");
+pub use crate::plan::variants::*;
 
 mod compiled {
     include!(concat!(env!("OUT_DIR"), "/compiled_variants.rs"));
 }
 pub use compiled::{fatbin, COMPILED};
-
-/// The variants of `family`/`kind` for this dtype, K/V type, head dim and mask, in order of
-/// preference.
-pub fn candidates(
-    family: &'static str,
-    kind: KKind,
-    dtype: KDType,
-    kv: KvType,
-    head_dim: u32,
-    mask: KMask,
-) -> impl Iterator<Item = &'static Variant> {
-    VARIANTS.iter().filter(move |v| {
-        v.family == family
-            && v.kind == kind
-            && v.dtype == dtype
-            && v.kv == kv
-            && v.head_dim == head_dim
-            && v.mask == mask
-    })
-}
 
 /// `v`'s position in `VARIANTS`, when `v` is one of its entries.
 fn index_of(v: &Variant) -> Option<usize> {
@@ -35,7 +14,6 @@ fn index_of(v: &Variant) -> Option<usize> {
     let off = (v as *const Variant as usize).wrapping_sub(VARIANTS.as_ptr() as usize);
     (off.is_multiple_of(size) && off / size < VARIANTS.len()).then_some(off / size)
 }
-
 /// Per-entry facts of `VARIANTS` computed once: entry-point name, combine kernel name, and
 /// whether this build compiled it (the dispatcher asks on every call).
 struct Table {
