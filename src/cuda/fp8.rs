@@ -4,7 +4,7 @@
 
 use super::launch;
 use candle_core::{DType, Device, Result, Tensor};
-use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, LaunchConfig};
 
 /// A tensor's view as the kernels walk it: rank 1 to 4, padded with leading 1s.
 #[repr(C)]
@@ -13,9 +13,6 @@ struct View4 {
     dims: [i64; 4],
     strides: [i64; 4],
 }
-
-// SAFETY: plain old data with the layout of `fc8::View4` (eight int64_t).
-unsafe impl cudarc::driver::DeviceRepr for View4 {}
 
 fn view_of(t: &Tensor, what: &str) -> Result<View4> {
     let (dims, strides) = (t.dims(), t.stride());
@@ -87,21 +84,25 @@ fn run(sym: &str, x: &Tensor, out: &Tensor, scale: Option<&Tensor>) -> Result<()
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut lb = stream.launch_builder(&f);
-    lb.arg(&src).arg(&view).arg(&dst);
     let (sp, per_head) = match scale {
         Some(s) => (address(s, &stream)?, i32::from(s.elem_count() > 1)),
         None => (0, 0),
     };
+    let arg = |p: *const std::ffi::c_void| p as *mut std::ffi::c_void;
+    let mut args = vec![
+        arg(&src as *const u64 as _),
+        arg(&view as *const View4 as _),
+        arg(&dst as *const u64 as _),
+    ];
     if scale.is_some() {
-        lb.arg(&sp).arg(&per_head);
+        args.push(arg(&sp as *const u64 as _));
+        args.push(arg(&per_head as *const i32 as _));
     }
-    // SAFETY: signatures as in kernels/common/fp8.cuh; `x` is read through its own view (every
-    // offset inside its storage), `out` holds `n` fresh contiguous elements, the scale (f32,
-    // contiguous, checked by the caller) has one entry per K/V head (dim 2) or one in all.
-    unsafe { lb.launch(cfg) }
-        .map_err(|e| launch::err(sym, &shape, format!("launch failed: {e}")))?;
-    launch::check_sync(&stream, sym, &shape)
+    // SAFETY: signatures as in kernels/common/fp8.cuh, each argument alive for the call; `x` is
+    // read through its own view (every offset inside its storage), `out` holds `n` fresh
+    // contiguous elements, the scale (f32, contiguous, checked by the caller) has one entry per
+    // K/V head (dim 2) or one in all.
+    unsafe { launch::launch(&stream, &f, cfg, &mut args, launch::Ex::NONE, sym, &shape) }
 }
 
 /// `x / scale` saturated and rounded to e4m3 (`x`: bf16, f16 or f32, any strides; the scale
