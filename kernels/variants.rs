@@ -142,7 +142,7 @@ pub struct Variant {
     /// walking a chunk of the tile's keys; rank 0 gathers the others' partial O, maxima and sums
     /// through distributed shared memory and writes O and the LSE (kernels/sm90/fwd.cuh `SPLIT`).
     /// The dispatcher gives it the problems whose 128-row tiles leave most SMs idle
-    /// (`kv_splits` in src/cuda/mod.rs), and nothing else.
+    /// (`kv_splits` in src/plan/choose.rs), and nothing else.
     pub kv_split: bool,
     /// sm90 forward only, 1 elsewhere: Q buffers (symbol suffix `_q2` for 2; the sm90 forward
     /// macros' `QS`, kernels/sm90/fwd.cuh). With two, the TMA thread loads a tile's Q while the
@@ -430,13 +430,13 @@ const fn sm80_small(dtype: KDType, head_dim: u32, mask: KMask) -> Variant {
 
 /// Packed query rows (`h_ratio * seq_q` per K/V head and sequence) per CTA of the split-KV decode
 /// kernels at head dims up to 128 (d256: 32). The dispatcher counts decode blocks of this height
-/// (src/cuda/mod.rs `decode_beats_starved_prefill`).
+/// (src/plan/choose.rs `decode_beats_starved_prefill`).
 pub const DECODE_BLOCK_M: u32 = 64;
 
 /// Query rows per CTA of the sm90 tiles that serve grids of few query tiles: the 128-row d64
 /// tiles (`sm90_d64_small`, `sm90_d64_causal_short`); the d128 causal tiles and every key-split
 /// twin have the same height (tests/variants.rs `grid_arithmetic_matches_the_tiles`). The
-/// dispatcher's grid arithmetic (`serves_grid`, src/cuda/mod.rs `kv_splits`,
+/// dispatcher's grid arithmetic (`serves_grid`, src/plan/choose.rs `kv_splits`,
 /// `decode_beats_starved_prefill`) counts query tiles of this height.
 pub const SM90_SMALL_BLOCK_M: u32 = 128;
 

@@ -111,7 +111,7 @@ struct FwdTraits {
     // (decisions.md#sm90-register-split).
     // Causal tiles are unequal: dynamic schedule (p.tile_counter) for d64/d128 and for d256 with
     // 64-key tiles (`sm90_d256_short`; the 80-key tile spills at 232 consumer registers). No mask:
-    // static (any grid). Host side: src/cuda/mod.rs `sm90_dynamic`.
+    // static (any grid). Host side: src/plan/choose.rs `sm90_dynamic`.
     static constexpr bool DYN = CAUSAL && (D <= 128 || BN == 64);
     // d64, and d256 on the dynamic schedule, with two consumer warpgroups: the producer (TMA thread
     // + tile scheduler) spills at 24 registers, 40 then, and 232 for the consumers.
