@@ -5,7 +5,7 @@ use crate::params::{
     check_cu_seqlens, check_pages, validate, validate_paged, validate_varlen, AttnParams, Keys,
     Problem, Seqs,
 };
-pub(crate) use crate::params::{Extra, PagedKv};
+pub(crate) use crate::params::{Append, Extra, PagedKv};
 use crate::reference;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
@@ -660,22 +660,13 @@ fn paged_fp8_widened(
         packed_q,
         params,
     )?;
-    let Keys::Paged {
+    let HostPages {
+        table,
+        lens,
         page_size,
         num_pages,
         max_pages,
-    } = problem.keys
-    else {
-        candle_core::bail!("flashcore: internal: paged problem without pages")
-    };
-    let table = kv.page_table.flatten_all()?.to_vec1::<u32>()?;
-    let lens = check_pages(
-        &table,
-        &kv.seqlens_k.to_vec1::<u32>()?,
-        page_size,
-        num_pages,
-        max_pages,
-    )?;
+    } = host_pages(kv, &problem)?;
     // pages in first-use order, and the table renumbered into them
     let mut slot = vec![u32::MAX; num_pages];
     let mut pages: Vec<usize> = Vec::new();
@@ -715,17 +706,17 @@ fn paged_fp8_widened(
     run_paged(q, &wide, packed_q, &p, want_lse)
 }
 
-/// The CPU path of [`run_paged`]: every table value checked on the host (errors name the
-/// argument), each sequence's keys gathered from its pages into a packed batch, and the packed
-/// reference path run on it (dense q goes through it as `b` sequences of `sq` rows).
-fn cpu_paged(
-    q: &Tensor,
-    kv: &PagedKv,
-    packed_q: Option<(&Tensor, usize)>,
-    problem: &Problem,
-    params: &AttnParams,
-    want_lse: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
+/// A paged problem's page table and lengths read back to the host and checked there (errors
+/// name the argument), with the pool geometry they index.
+struct HostPages {
+    table: Vec<u32>,
+    lens: Vec<usize>,
+    page_size: usize,
+    num_pages: usize,
+    max_pages: usize,
+}
+
+fn host_pages(kv: &PagedKv, problem: &Problem) -> Result<HostPages> {
     let Keys::Paged {
         page_size,
         num_pages,
@@ -742,6 +733,33 @@ fn cpu_paged(
         num_pages,
         max_pages,
     )?;
+    Ok(HostPages {
+        table,
+        lens,
+        page_size,
+        num_pages,
+        max_pages,
+    })
+}
+
+/// The CPU path of [`run_paged`]: every table value checked on the host (errors name the
+/// argument), each sequence's keys gathered from its pages into a packed batch, and the packed
+/// reference path run on it (dense q goes through it as `b` sequences of `sq` rows).
+fn cpu_paged(
+    q: &Tensor,
+    kv: &PagedKv,
+    packed_q: Option<(&Tensor, usize)>,
+    problem: &Problem,
+    params: &AttnParams,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let HostPages {
+        table,
+        lens,
+        page_size,
+        num_pages,
+        max_pages,
+    } = host_pages(kv, problem)?;
     let mut rows: Vec<u32> = Vec::with_capacity(lens.iter().sum());
     for (i, &len) in lens.iter().enumerate() {
         rows.extend((0..len).map(|j| {
@@ -802,17 +820,8 @@ fn cpu_paged(
 /// in-place destination, the new rows the source; the tables travel beside.
 pub(crate) struct AppendOp<'a> {
     pub name: &'static str,
-    pub page_table: &'a Tensor,
-    pub positions: &'a Tensor,
-    /// Prefix sums of packed new rows, or `None` for a dense `(b, n_new, hkv, d)` source.
-    pub cu_new: Option<&'a Tensor>,
-    pub b: usize,
-    pub total: usize,
-    pub hkv: usize,
-    pub d: usize,
-    pub page_size: usize,
-    pub num_pages: usize,
-    pub max_pages: usize,
+    /// The rows, their tables and the pool's geometry (`d`: this pool's head dim).
+    pub rows: Append<'a>,
     /// On the CPU: the pool row of every new row, checked on the host before anything is written
     /// ([`AppendOp::host_slots`]).
     pub slots: Option<Vec<usize>>,
@@ -821,21 +830,21 @@ pub(crate) struct AppendOp<'a> {
 impl AppendOp<'_> {
     /// (sequence, row within its new rows) of every new row, on the host.
     fn host_rows(&self) -> Result<Vec<(usize, usize)>> {
-        match self.cu_new {
+        match self.rows.cu_new {
             None => {
-                let n = self.total / self.b.max(1);
-                Ok((0..self.total).map(|r| (r / n, r % n)).collect())
+                let n = self.rows.total / self.rows.b.max(1);
+                Ok((0..self.rows.total).map(|r| (r / n, r % n)).collect())
             }
             Some(cu) => {
                 let cu = check_cu_seqlens(
                     "cu_seqlens_new",
                     "cu_seqlens_new",
                     &cu.to_vec1::<u32>()?,
-                    self.total,
+                    self.rows.total,
                     usize::MAX,
                 )?;
-                let mut rows = Vec::with_capacity(self.total);
-                for i in 0..self.b {
+                let mut rows = Vec::with_capacity(self.rows.total);
+                for i in 0..self.rows.b {
                     rows.extend((0..cu[i + 1] - cu[i]).map(|j| (i, j)));
                 }
                 Ok(rows)
@@ -847,9 +856,9 @@ impl AppendOp<'_> {
     /// positions within the table, pages within the pool, and no two new rows writing the same
     /// pool row.
     fn host_slots(&self) -> Result<Vec<usize>> {
-        let table = self.page_table.flatten_all()?.to_vec1::<u32>()?;
-        let pos = self.positions.to_vec1::<u32>()?;
-        let cap = self.max_pages * self.page_size;
+        let table = self.rows.page_table.flatten_all()?.to_vec1::<u32>()?;
+        let pos = self.rows.positions.to_vec1::<u32>()?;
+        let cap = self.rows.max_pages * self.rows.page_size;
         self.host_rows()?
             .into_iter()
             .map(|(i, j)| {
@@ -857,18 +866,18 @@ impl AppendOp<'_> {
                 if at >= cap {
                     return Err(candle_core::Error::Msg(format!(
                         "flashcore: positions: sequence {i} writes position {at} (positions[{i}] = {} + row {j}), beyond the page table's max_pages ({}) * page_size ({}) = {cap}",
-                        pos[i], self.max_pages, self.page_size
+                        pos[i], self.rows.max_pages, self.rows.page_size
                     )));
                 }
-                let page = table[i * self.max_pages + at / self.page_size] as usize;
-                if page >= self.num_pages {
+                let page = table[i * self.rows.max_pages + at / self.rows.page_size] as usize;
+                if page >= self.rows.num_pages {
                     return Err(candle_core::Error::Msg(format!(
                         "flashcore: page_table: every page written must be a page of the pool (0..{}), got entry [{i}][{}] = {page}",
-                        self.num_pages,
-                        at / self.page_size
+                        self.rows.num_pages,
+                        at / self.rows.page_size
                     )));
                 }
-                Ok(page * self.page_size + at % self.page_size)
+                Ok(page * self.rows.page_size + at % self.rows.page_size)
             })
             .collect::<Result<Vec<usize>>>()
             .and_then(|slots| self.check_distinct(slots))
@@ -884,8 +893,8 @@ impl AppendOp<'_> {
                 let ((i0, j0), (i1, j1)) = (rows[first], rows[r]);
                 return Err(candle_core::Error::Msg(format!(
                     "flashcore: page_table: every new row must go to its own pool row, got sequence {i0} row {j0} and sequence {i1} row {j1} both at page {} row {} (check page_table and positions)",
-                    slot / self.page_size,
-                    slot % self.page_size
+                    slot / self.rows.page_size,
+                    slot % self.rows.page_size
                 )));
             }
             owner.insert(slot, r);
@@ -907,22 +916,22 @@ impl AppendOp<'_> {
         let rows = self.host_rows()?;
         let ps = pl.stride();
         let ss = sl.stride();
-        let (s_b, s_r, s_h) = if self.cu_new.is_some() {
+        let (s_b, s_r, s_h) = if self.rows.cu_new.is_some() {
             (0, ss[0], ss[1])
         } else {
             (ss[0], ss[1], ss[2])
         };
         for (r, (&slot, &(i, j))) in slots.iter().zip(&rows).enumerate() {
-            let (page, at) = (slot / self.page_size, slot % self.page_size);
-            let s_row = if self.cu_new.is_some() {
+            let (page, at) = (slot / self.rows.page_size, slot % self.rows.page_size);
+            let s_row = if self.rows.cu_new.is_some() {
                 r * s_r
             } else {
                 i * s_b + j * s_r
             };
-            for h in 0..self.hkv {
+            for h in 0..self.rows.hkv {
                 let dst = pl.start_offset() + page * ps[0] + at * ps[1] + h * ps[2];
                 let s0 = sl.start_offset() + s_row + h * s_h;
-                pool[dst..dst + self.d].copy_from_slice(&src[s0..s0 + self.d]);
+                pool[dst..dst + self.rows.d].copy_from_slice(&src[s0..s0 + self.rows.d]);
             }
         }
         Ok(())
@@ -964,19 +973,7 @@ impl candle_core::InplaceOp2 for AppendOp<'_> {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<()> {
-        let a = crate::cuda::Append {
-            page_table: self.page_table,
-            positions: self.positions,
-            cu_new: self.cu_new,
-            b: self.b,
-            total: self.total,
-            hkv: self.hkv,
-            d: self.d,
-            page_size: self.page_size,
-            num_pages: self.num_pages,
-            max_pages: self.max_pages,
-        };
-        crate::cuda::append_paged((s1, l1), (s2, l2), &a, self.name)
+        crate::cuda::append_paged((s1, l1), (s2, l2), &self.rows, self.name)
     }
 }
 
@@ -1008,16 +1005,18 @@ pub(crate) fn append_kv_paged(
     check_no_alias(k_new, v_new, k_pages, v_pages)?;
     let mut op = AppendOp {
         name: "k_pages",
-        page_table,
-        positions,
-        cu_new,
-        b: g.b,
-        total: g.total,
-        hkv: g.hkv,
-        d: g.d,
-        page_size: g.page_size,
-        num_pages: g.num_pages,
-        max_pages: g.max_pages,
+        rows: Append {
+            page_table,
+            positions,
+            cu_new,
+            b: g.b,
+            total: g.total,
+            hkv: g.hkv,
+            d: g.d,
+            page_size: g.page_size,
+            num_pages: g.num_pages,
+            max_pages: g.max_pages,
+        },
         slots: None,
     };
     if k_pages.device().is_cpu() {
@@ -1032,9 +1031,8 @@ pub(crate) fn append_kv_paged(
         let new = aligned(new)?;
         let op = AppendOp {
             name,
-            d,
+            rows: Append { d, ..op.rows },
             slots: op.slots.clone(),
-            ..op
         };
         pool.inplace_op2(&new, &op)?;
     }

@@ -1168,3 +1168,20 @@ pub(crate) struct PagedKv<'a> {
     pub page_table: &'a Tensor,
     pub seqlens_k: &'a Tensor,
 }
+
+/// What an append into a paged pool writes: sequences, rows, and the pool's geometry (the CPU
+/// and the CUDA append read the same value).
+#[derive(Clone, Copy)]
+pub(crate) struct Append<'a> {
+    pub page_table: &'a Tensor,
+    pub positions: &'a Tensor,
+    /// Packed new rows: their prefix sums `(b + 1,)`; `None` for a dense `(b, n_new, hkv, d)`.
+    pub cu_new: Option<&'a Tensor>,
+    pub b: usize,
+    pub total: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub page_size: usize,
+    pub num_pages: usize,
+    pub max_pages: usize,
+}

@@ -1,25 +1,11 @@
 //! Writing new K/V rows into a paged pool (`fc_append_paged`).
 
 use super::{device_info, fp8_ptr, launch, ptr, side_ptr, Fmt};
+use crate::params::Append;
 use candle_core::cuda_backend::CudaStorage;
-use candle_core::{DType, Layout, Result, Tensor};
+use candle_core::{DType, Layout, Result};
 use cudarc::driver::LaunchConfig;
 use half::{bf16, f16};
-
-/// What `append_paged` writes: sequences, rows, and the pool's geometry.
-pub(crate) struct Append<'a> {
-    pub page_table: &'a Tensor,
-    pub positions: &'a Tensor,
-    /// Packed new rows: their prefix sums `(b + 1,)`; `None` for a dense `(b, n_new, hkv, d)`.
-    pub cu_new: Option<&'a Tensor>,
-    pub b: usize,
-    pub total: usize,
-    pub hkv: usize,
-    pub d: usize,
-    pub page_size: usize,
-    pub num_pages: usize,
-    pub max_pages: usize,
-}
 
 /// Writes the new rows `src` into the pool (`fc_append_paged`, kernels/common/paged.cuh): one
 /// launch for the whole batch. `name` is the pool's argument name (for errors).

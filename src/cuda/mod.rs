@@ -13,7 +13,7 @@ pub mod variants;
 
 pub use crate::plan::Device as DeviceInfo;
 pub use crate::plan::{decode_num_splits, kernel_head_dim, GPU_MAX_SCALE};
-pub(crate) use append::{append_paged, Append};
+pub(crate) use append::append_paged;
 pub use arch::{set_arch_override, set_smem_limit_override, Arch};
 pub(crate) use run::forward;
 
