@@ -31,7 +31,7 @@ pub enum KvType {
     /// The dtype of q and o (`KDType`).
     Same,
     /// FP8 e4m3 bytes with f32 scales per K/V head or per tensor (`AttnParams::kv_scales`): the
-    /// split-KV decode kernels load them as bytes and widen them to q's dtype in shared memory
+    /// split-KV decode kernels load them as bytes and widen them to q's dtype in registers
     /// (kernels/sm80/decode.cuh, docs/decisions.md#fp8-keys-and-values-in-the-decode-kernel).
     E4m3,
 }
@@ -308,18 +308,23 @@ impl Variant {
             self.head_dim
         }
     }
+    /// Keys of a 16-bit K/V tile holding the bytes of one of this kernel's key tiles
+    /// (`block_n`, or `block_n / 2` for e4m3 K/V): the decode planner's rules on pages and bytes
+    /// in flight count in these.
+    pub const fn block_n_16bit(&self) -> u32 {
+        self.block_n * self.kv.bytes(2) / 2
+    }
     pub const fn threads(&self) -> u32 {
         self.warps * 32
     }
     /// Dynamic shared memory the kernel is launched with, in bytes (16-bit elements):
     /// Q tile plus `stages` K and V tiles (and for warp pairs their P tiles and f32 row maxima
     /// and sums, as `fc_sm80::fwd_smem_bytes`). FP8 K/V (`KvType::E4m3`, decode): `stages` K
-    /// and V tiles of bytes, plus one K and one V tile widened to q's dtype
-    /// (`fc_decode::split_smem_bytes`).
+    /// and V tiles of bytes (`fc_decode::split_smem_bytes`).
     pub const fn smem_bytes(&self) -> u32 {
         if matches!(self.kv, KvType::E4m3) {
-            let (bn, d) = (self.block_n, self.head_dim);
-            return self.block_m * d * 2 + 2 * self.stages * bn * d + 2 * bn * d * 2;
+            // the Q tile and the ring of byte tiles (split_smem_bytes)
+            return self.block_m * self.head_dim * 2 + 2 * self.stages * self.block_n * self.head_dim;
         }
         let tiles = (self.q_stages * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2;
         if self.is_family("sm90") {
@@ -583,14 +588,13 @@ pub fn combine_symbol(family: &str, dtype: KDType, head_dim: u32) -> String {
     format!("fc_{}_combine_{}_d{}", family, dtype.name(), head_dim)
 }
 
-/// The FP8-K/V twin (`KvType::E4m3`) of a split-KV decode row: the same tile; d128 / d256 with
-/// a ring of three byte tiles (a stage holds half the bytes of a 16-bit one: 96 KB of shared
-/// memory with the widened K and V tiles, which fits the 99 KB of sm_86 / sm_89 too), d64 with
-/// two (40 KB; with three or four the no-mask kernel spilled 4-12 B on sm_80). Not tuned on a
-/// GPU yet: docs/decisions.md#fp8-keys-and-values-in-the-decode-kernel.
+/// The FP8-K/V twin (`KvType::E4m3`) of a split-KV decode row: key tiles twice as long (a byte
+/// tile of 2 x block_n keys holds what a 16-bit tile of block_n does), the same ring depth, so
+/// the bytes in flight and the barriers per byte match the 16-bit kernel's; 40 / 80 / 80 KB of
+/// shared memory (fits sm_86 / sm_89's 99 KB).
+/// docs/decisions.md#fp8-keys-and-values-in-the-decode-kernel.
 const fn e4m3(v: Variant) -> Variant {
-    let stages = if v.head_dim == 64 { 2 } else { 3 };
-    Variant { kv: KvType::E4m3, stages, ..v }
+    Variant { kv: KvType::E4m3, block_n: 2 * v.block_n, ..v }
 }
 
 /// Kernels per dtype with K/V in that dtype (`base_rows`).

@@ -475,3 +475,74 @@ fn fp8_conversions_match_the_cpu() -> Result<()> {
     );
     Ok(())
 }
+
+/// NaN bytes (e4m3 0x7F / 0xFF) in the keys and values the decode kernels widen: one NaN key
+/// byte makes every score of that key NaN, so the rows of its K/V head come out NaN; one NaN
+/// value byte makes that one output column NaN for the rows that give its key a weight, and
+/// every other column stays finite (which also pins the column order the kernels put back
+/// together). Judged element by element against the CPU: NaN where it has NaN, within the
+/// bound elsewhere. Head dims 64 / 128 / 256, bf16 and f16.
+#[test]
+fn fp8_decode_nan_bytes_land_where_the_cpu_puts_them() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let cpu = Device::Cpu;
+    let (b, sk, hkv, hq) = (2usize, 777usize, 2usize, 8usize);
+    for (i, d) in [64usize, 128, 256].into_iter().enumerate() {
+        let dtype = if i % 2 == 0 { DType::BF16 } else { DType::F16 };
+        let flat = |salt: f32| -> Result<Vec<f32>> {
+            (Tensor::randn(0f32, 2., (b, sk, hkv, d), &cpu)? + salt as f64)?
+                .flatten_all()?
+                .to_vec1::<f32>()
+        };
+        let at = |bi: usize, key: usize, h: usize, c: usize| ((bi * sk + key) * hkv + h) * d + c;
+        let (mut kx, mut vx) = (flat(0.0)?, flat(0.3)?);
+        kx[at(0, 5, 0, 17)] = f32::NAN; // sequence 0, K/V head 0: all its rows NaN
+        vx[at(1, 300, 1, d - 9)] = f32::NAN; // sequence 1, head 1: column d - 9 only
+        vx[at(1, 301, 1, 2)] = -f32::NAN; // and column 2 (a 0xFF byte)
+        let to8 = |x: Vec<f32>| Tensor::from_vec(x, (b, sk, hkv, d), &cpu)?.to_dtype(DType::F8E4M3);
+        let (k, v) = (to8(kx)?, to8(vx)?);
+        let s = KvScales {
+            k: scales(hkv, 0.4)?,
+            v: scales(hkv, 0.8)?,
+        };
+        let q = Tensor::randn(0f32, 1., (b, 1, hq, d), &cpu)?.to_dtype(dtype)?;
+        let pc = AttnParams {
+            kv_scales: Some(s.clone()),
+            ..Default::default()
+        };
+        let want = flashcore::attention(&q.to_dtype(DType::F32)?, &k, &v, &pc)?;
+        let pg = AttnParams {
+            kv_scales: Some(scales_on(&s, &dev)?),
+            ..Default::default()
+        };
+        let on = |t: &Tensor| t.to_device(&dev);
+        let got = flashcore::attention(&on(&q)?, &on(&k)?, &on(&v)?, &pg)?;
+        let w = want.flatten_all()?.to_vec1::<f32>()?;
+        let g = got
+            .to_device(&cpu)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let mag = w
+            .iter()
+            .filter(|x| x.is_finite())
+            .fold(0f32, |m, x| m.max(x.abs())) as f64;
+        let bound = rel(dtype) * mag + rounding_floor(dtype, mag);
+        let nans = w.iter().filter(|x| x.is_nan()).count();
+        // sequence 0's 4 heads of K/V head 0 (all d columns), sequence 1's 4 heads of head 1 (two columns)
+        assert_eq!(nans, 4 * d + 4 * 2, "d{d}: the CPU's NaN count");
+        for (j, (x, y)) in w.iter().zip(&g).enumerate() {
+            let ok = if x.is_nan() {
+                y.is_nan()
+            } else {
+                y.is_finite() && ((x - y).abs() as f64) <= bound
+            };
+            assert!(
+                ok,
+                "d{d} {dtype:?}: output element {j} is {y}, the CPU's {x} (bound {bound:.3e})"
+            );
+        }
+    }
+    Ok(())
+}

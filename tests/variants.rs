@@ -704,12 +704,14 @@ fn fp8_decode_twins() {
             .collect();
         assert_eq!(twins.len(), 1, "{}: FP8 twins", v.symbol());
         let t = twins[0];
+        // key tiles of twice the keys: the same bytes a tile as the 16-bit row
         assert_eq!(
-            (t.block_m, t.block_n, t.warps),
-            (v.block_m, v.block_n, v.warps),
+            (t.block_m, t.block_n, t.warps, t.stages),
+            (v.block_m, 2 * v.block_n, v.warps, v.stages),
             "{}",
             t.symbol()
         );
+        assert_eq!(t.block_n_16bit(), v.block_n, "{}", t.symbol());
         assert!(t.symbol().contains("_e4m3_"), "{}", t.symbol());
         assert!(
             t.smem_bytes() <= SMEM_SM86,

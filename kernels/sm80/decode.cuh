@@ -140,50 +140,69 @@ __device__ __forceinline__ int balanced_tps(const FcParams& p, int nsplit) {
 // NaN, no infinity).
 using e4m3_t = uint8_t;
 
-// Two e4m3 bytes x (bits 8-15 and 24-31 of the word, the rest zero) as two values of T, exactly
-// (every e4m3 value, subnormals included, is a T value): the byte's exponent and mantissa bits
-// shifted into T's fields make T's value times 2^(T's bias - 7), undone by one exact multiply.
-// NaN bytes map to 480 = 1.875 * 2^8 that way and are set to NaN after. `flip` XORs the signs
-// (0x80008000 or 0), `keep` ANDs the values (all ones, or 0 for zeros): a K scale's sign and
-// zero (`split_kernel`). NaN stays NaN through both.
-template <typename T>
-__device__ __forceinline__ uint32_t e4m3x2_to(uint32_t x, uint32_t flip, uint32_t keep) {
+// Two e4m3 bytes of the word w as two values of T (a T pair: the first byte in bits 0-15):
+// bytes 1 and 3 (ODD) or bytes 0 and 2. Exact for every byte but NaN (every other e4m3 value,
+// subnormals included, is a T value): the byte's exponent and mantissa bits shifted into the
+// low bits of T's fields make T's value times 2^(T's bias - 7), undone by one exact multiply
+// of the magnitudes; the signs are put back after it. A NaN byte comes out as 480; with KEEP_NAN
+// (a tile that holds one, `tile_has_nan`) it comes out NaN. No branch either way.
+template <typename T, bool ODD, bool KEEP_NAN>
+__device__ __forceinline__ uint32_t e4m3_pair(uint32_t w) {
+    constexpr bool F16 = std::is_same<T, __half>::value;
+    // e4m3 bits 0-6 to f16 bits 7-13 / bf16 bits 4-10, in each half
+    constexpr uint32_t MAG = F16 ? 0x3F803F80u : 0x07F007F0u;
+    const uint32_t mag = ODD ? (F16 ? (w >> 1) : (w >> 4)) & MAG : (F16 ? (w << 7) : (w << 4)) & MAG;
+    const uint32_t sgn = (ODD ? w : (w << 8)) & 0x80008000u;
     uint32_t u;
-    if constexpr (std::is_same<T, __half>::value) {
-        const uint32_t h = (x & 0x80008000u) | ((x >> 1) & 0x3F803F80u);
-        asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(u) : "r"(h), "r"(0x5C005C00u));  // * 2^8
+    if constexpr (F16) {
+        asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(u) : "r"(mag), "r"(0x5C005C00u));  // * 2^8
     } else {
-        const uint32_t h = (x & 0x80008000u) | ((x >> 4) & 0x07F007F0u);
-        // * 2^120 (bf16 0x7B80), + (-0): fma is the bf16x2 multiply sm_80 has
-        asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(u) : "r"(h), "r"(0x7B807B80u), "r"(0x80008000u));
+        // * 2^120 (bf16 0x7B80), + 0: fma is the bf16x2 multiply sm_80 has
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(u) : "r"(mag), "r"(0x7B807B80u), "r"(0u));
     }
-    u = (u ^ flip) & keep;
-    if ((x & 0x7F00u) == 0x7F00u) u |= 0x7FFFu;
-    if ((x & 0x7F000000u) == 0x7F000000u) u |= 0x7FFF0000u;
+    u |= sgn;
+    if constexpr (KEEP_NAN) {
+        // bit 7 of a byte of `t`: its low seven bits were all ones (0x7F / 0xFF); prmt with
+        // the selector's bit 3 set fills a byte with bit 7 of the byte it picks
+        const uint32_t t = (w & 0x7F7F7F7Fu) + 0x01010101u;
+        uint32_t m;
+        asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(m) : "r"(t), "r"(ODD ? 0xBB99u : 0xAA88u));
+        u |= m & 0x7FFF7FFFu;
+    }
     return u;
 }
 
-// 16 e4m3 bytes (one 16-byte chunk of a row) as 16 values of T, in order, into two 16-byte
-// chunks lo (values 0-7) and hi (values 8-15).
-template <typename T>
-__device__ __forceinline__ void e4m3x16_to(const uint4 w, uint4& lo, uint4& hi, uint32_t flip, uint32_t keep) {
-    // __byte_perm(w, 0, 0x1404): bytes 0, 1 of w into bits 8-15, 24-31; 0x3424: bytes 2, 3
-    lo.x = e4m3x2_to<T>(__byte_perm(w.x, 0, 0x1404), flip, keep);
-    lo.y = e4m3x2_to<T>(__byte_perm(w.x, 0, 0x3424), flip, keep);
-    lo.z = e4m3x2_to<T>(__byte_perm(w.y, 0, 0x1404), flip, keep);
-    lo.w = e4m3x2_to<T>(__byte_perm(w.y, 0, 0x3424), flip, keep);
-    hi.x = e4m3x2_to<T>(__byte_perm(w.z, 0, 0x1404), flip, keep);
-    hi.y = e4m3x2_to<T>(__byte_perm(w.z, 0, 0x3424), flip, keep);
-    hi.z = e4m3x2_to<T>(__byte_perm(w.w, 0, 0x1404), flip, keep);
-    hi.w = e4m3x2_to<T>(__byte_perm(w.w, 0, 0x3424), flip, keep);
+// Whether any of the `n` 16-byte chunks at `chunk(i)` (this thread's copies of a ring slot)
+// holds an e4m3 NaN byte: a byte whose low seven bits are all ones carries into its bit 7.
+template <int N, typename F>
+__device__ __forceinline__ bool chunks_have_nan(F chunk) {
+    uint32_t acc = 0u;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const uint4 w = *chunk(i);
+        acc |= ((w.x & 0x7F7F7F7Fu) + 0x01010101u) | ((w.y & 0x7F7F7F7Fu) + 0x01010101u) |
+               ((w.z & 0x7F7F7F7Fu) + 0x01010101u) | ((w.w & 0x7F7F7F7Fu) + 0x01010101u);
+    }
+    return (acc & 0x80808080u) != 0u;
+}
+
+// Byte offset of (row, 16-byte chunk) in a ring tile of e4m3 bytes (D bytes a row): the chunk
+// index XORed with the row so that the 8 rows one ldmatrix reads at one chunk fall in 8
+// different 16-byte bank groups (rows of 64 bytes: two rows share 128 bytes, so the XOR takes
+// row / 2).
+template <int D>
+__device__ __forceinline__ uint32_t swz8_bytes(int row, int chunk) {
+    constexpr int KC = D / 16;  // chunks a row
+    const int x = D >= 128 ? (row & 7) : ((row >> 1) & (KC - 1));
+    return static_cast<uint32_t>(row * D + ((chunk ^ x) << 4));
 }
 
 // ---------------------------------------------------------------- split kernel
 // F8 (e4m3 K/V): the head's scales, read where used (cached loads; held across the key loop they
 // spilled the windowed d128 kernel). Scores are q . k_stored * |k scale| * p.scale: the K scale's
-// sign and a zero scale go into the widened K (`e4m3x2_to`'s flip / keep; a zero scale zeroes K
-// and keeps p.scale), its magnitude into the scale (`k_mag`); the V scale multiplies 1 / L in the
-// epilogue (`v_scale`). The 16-bit kernels keep their own expressions (`F8 ? scaled : plain`).
+// sign and a zero scale go into the Q fragments (`QSign`: q . (-k) = (-q) . k exactly; a zero
+// scale zeroes Q, so a NaN byte of K still gives a NaN score, and keeps p.scale), its magnitude
+// into the scale (`k_mag`); the V scale multiplies 1 / L in the epilogue (`v_scale`). The 16-bit kernels keep their own expressions (`F8 ? scaled : plain`).
 template <bool F8>
 __device__ __forceinline__ float k_scale(const FcParams& p, int kvh) {
     return F8 ? __ldg(p.k_scales + kvh * p.kv_scale_stride) : 1.f;
@@ -198,11 +217,18 @@ __device__ __forceinline__ float v_scale(const FcParams& p, int kvh) {
     return F8 ? __ldg(p.v_scales + kvh * p.kv_scale_stride) : 1.f;
 }
 
+// The K scale's sign and zero as one operation on Q's fragments: x ^ flip, then & keep.
+struct QSign {
+    uint32_t flip = 0u, keep = 0xFFFFFFFFu;
+    __device__ __forceinline__ explicit QSign(float ks)
+        : flip(ks < 0.f ? 0x80008000u : 0u), keep(ks == 0.f ? 0u : 0xFFFFFFFFu) {}
+    __device__ __forceinline__ uint32_t operator()(uint32_t x) const { return (x ^ flip) & keep; }
+};
+
 // Dynamic shared memory of a split kernel: the packed Q tile, then S stages of a K and a V tile
-// of KB-byte elements (the epilogue reuses it); with e4m3 K/V (KB = 1) also one K and one V tile
-// widened to 16 bits, which the tensor-core loop reads (= Variant::smem_bytes()).
+// of KB-byte elements; the epilogue reuses it (= Variant::smem_bytes()).
 __host__ __device__ constexpr uint32_t split_smem_bytes(int D, int BM, int BN, int S, int KB = 2) {
-    return (uint32_t)(BM * D * 2 + 2 * S * BN * D * KB + (KB == 1 ? 2 * BN * D * 2 : 0));
+    return (uint32_t)(BM * D * 2 + 2 * S * BN * D * KB);
 }
 
 // Online softmax of one 16-key step of split_kernel (two rows per thread: h = 0 -> row g8,
@@ -316,31 +342,80 @@ __device__ __forceinline__ void pv_step(float (&o)[D / 8][4], const float (&s)[2
     }
 }
 
-// F8: widens ring slot `ring` (K tile then V tile of e4m3 bytes, row-major) into the 16-bit
-// tiles at sKw (K, then V at + BN * D), swizzled: each thread converts the chunks it copied
-// (load rows as KvTileLoader: dealt out by warp when `by_warp`), the K scale's sign and zero
-// folded in (e4m3x2_to's flip / keep).
-template <typename T, int D, int BN, int W>
-__device__ __forceinline__ void widen_tile(T* sKw, const unsigned char* ring, bool by_warp, float ks) {
-    constexpr int THREADS = W * 32, KCPR = D / 16, RW = BN / W;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const unsigned char* rk = ring;
-    const unsigned char* rv = rk + BN * D;
-    const int rf = by_warp ? warp * RW + lane / KCPR : tid / KCPR;
-    const int step = by_warp ? 32 / KCPR : THREADS / KCPR;
-    const int ch = tid % KCPR;
-    const uint32_t kflip = ks < 0.f ? 0x80008000u : 0u;
-    const uint32_t kkeep = ks == 0.f ? 0u : 0xFFFFFFFFu;
+// F8: Q's A fragment of k16 block kk for the head-dim order the byte K tiles give (`qk_step_f8`):
+// a[0] / a[2] = row g8's columns 16 kk + 4 t4 + {1, 3} / {0, 2}, a[1] / a[3] the same of row
+// g8 + 8 (two 8-byte reads of the swizzled Q tile), the K scale's sign and zero applied.
+template <int D>
+__device__ __forceinline__ void q_frag_f8(uint32_t (&a)[4], const unsigned char* sQ, int row, int t4, int kk,
+                                          const QSign& sg) {
+    const int ch = 2 * kk + (t4 >> 1), off = 8 * (t4 & 1);
+    const uint2 lo = *reinterpret_cast<const uint2*>(sQ + 2 * swz_elems<D>(row, ch) + off);
+    const uint2 hi = *reinterpret_cast<const uint2*>(sQ + 2 * swz_elems<D>(row + 8, ch) + off);
+    a[0] = sg(__byte_perm(lo.x, lo.y, 0x7632)); a[2] = sg(__byte_perm(lo.x, lo.y, 0x5410));
+    a[1] = sg(__byte_perm(hi.x, hi.y, 0x7632)); a[3] = sg(__byte_perm(hi.x, hi.y, 0x5410));
+}
+
+// F8: S = Q K^T for one 16-key step, K widened in registers. ldmatrix on the byte tile hands
+// each thread 4 consecutive bytes (head-dim columns 4 t4 .. 4 t4 + 3 of a 16-column block) of
+// key row g8, which are its B fragment for the k order {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9} <->
+// columns 4 t4 + {1, 3, 0, 2} (the odd bytes, then the even ones: `e4m3_pair`); Q's fragments
+// follow the same order (`q_frag_f8`), and a dot product does not depend on the order of its
+// terms. Keys keep their order (k_row: matrices
+// (keys 0-7, block 2 kk2), (keys 0-7, 2 kk2 + 1), (keys 8-15, 2 kk2), (keys 8-15, 2 kk2 + 1)).
+template <typename T, int D, bool Q_IN_REGS, bool KEEP_NAN, int QK>
+__device__ __forceinline__ void qk_step_f8(float (&s)[2][4], const uint32_t (&qf)[QK][4], const unsigned char* sQ,
+                                           int q_row, int t4, const QSign& sg, uint32_t sK_u, int k_row, int k_chk) {
 #pragma unroll
-    for (int i = 0; i < BN * KCPR / THREADS; ++i) {
-        const int row = rf + i * step;
-        uint4 lo, hi;
-        e4m3x16_to<T>(*reinterpret_cast<const uint4*>(rk + row * D + ch * 16), lo, hi, kflip, kkeep);
-        *reinterpret_cast<uint4*>(sKw + swz_elems<D>(row, 2 * ch)) = lo;
-        *reinterpret_cast<uint4*>(sKw + swz_elems<D>(row, 2 * ch + 1)) = hi;
-        e4m3x16_to<T>(*reinterpret_cast<const uint4*>(rv + row * D + ch * 16), lo, hi, 0u, 0xFFFFFFFFu);
-        *reinterpret_cast<uint4*>(sKw + BN * D + swz_elems<D>(row, 2 * ch)) = lo;
-        *reinterpret_cast<uint4*>(sKw + BN * D + swz_elems<D>(row, 2 * ch + 1)) = hi;
+    for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk2 = 0; kk2 < D / 32; ++kk2) {
+        uint32_t r[4];
+        fc::ldsm_x4(r, sK_u + swz8_bytes<D>(k_row, 2 * kk2 + k_chk));
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int kk = 2 * kk2 + j;
+            uint32_t a[4];
+            if constexpr (Q_IN_REGS) {
+                a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
+            } else {
+                q_frag_f8<D>(a, sQ, q_row, t4, kk, sg);
+            }
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const uint32_t w = r[2 * n + j];
+                fc::Elem<T>::template mma<false>(s[n], a, e4m3_pair<T, true, KEEP_NAN>(w), e4m3_pair<T, false, KEEP_NAN>(w));
+            }
+        }
+    }
+}
+
+// F8: O += P V for one 16-key step, V widened in registers. ldmatrix.trans on the byte tile (as
+// 16-bit pairs) hands each thread, per 8 keys and 16 columns, the bytes (key 2 t4, columns
+// 2 g8 and 2 g8 + 1) and (key 2 t4 + 1, the same columns): the B fragments of two n8 tiles, one
+// of the block's even columns (bytes 0, 2) and one of its odd columns (bytes 1, 3). So
+// o[2 c] holds columns 16 c + 2 n and o[2 c + 1] columns 16 c + 2 n + 1 (n the tile's column);
+// the epilogue puts them back in order (`split_epilogue`). Keys stay in order, so P is the
+// S accumulator as in `pv_step`.
+template <typename T, int D, bool KEEP_NAN>
+__device__ __forceinline__ void pv_step_f8(float (&o)[D / 8][4], const float (&s)[2][4], uint32_t sV_u, int v_row,
+                                           int v_chk) {
+    uint32_t pa[4];
+    pa[0] = fc::Elem<T>::pack(s[0][0], s[0][1]);
+    pa[1] = fc::Elem<T>::pack(s[0][2], s[0][3]);
+    pa[2] = fc::Elem<T>::pack(s[1][0], s[1][1]);
+    pa[3] = fc::Elem<T>::pack(s[1][2], s[1][3]);
+#pragma unroll
+    for (int j2 = 0; j2 < D / 32; ++j2) {
+        uint32_t r[4];  // (keys 0-7, block 2 j2), (keys 8-15, 2 j2), (keys 0-7, 2 j2 + 1), (keys 8-15, 2 j2 + 1)
+        fc::ldsm_x4_trans(r, sV_u + swz8_bytes<D>(v_row, 2 * j2 + v_chk));
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const uint32_t lo = r[2 * j], hi = r[2 * j + 1];  // keys 0-7, keys 8-15
+            fc::Elem<T>::template mma<false>(o[2 * (2 * j2 + j)], pa, e4m3_pair<T, false, KEEP_NAN>(lo),
+                                             e4m3_pair<T, false, KEEP_NAN>(hi));
+            fc::Elem<T>::template mma<false>(o[2 * (2 * j2 + j) + 1], pa, e4m3_pair<T, true, KEEP_NAN>(lo),
+                                             e4m3_pair<T, true, KEEP_NAN>(hi));
+        }
     }
 }
 
@@ -378,10 +453,19 @@ __device__ __forceinline__ void split_epilogue(const FcParams& p, float (&o)[D /
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const int rr = g8 + 8 * h;
-        float* dst = sO + (warp * 16 + rr) * OSTR + 2 * t4;
+        if constexpr (F8) {
+            // pv_step_f8's order: o[2 c] columns 16 c + 4 t4 + {0, 2}, o[2 c + 1] + {1, 3}
+            float* dst = sO + (warp * 16 + rr) * OSTR + 4 * t4;
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
-            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+            for (int c = 0; c < NT / 2; ++c)
+                *reinterpret_cast<float4*>(dst + 16 * c) =
+                    make_float4(o[2 * c][2 * h], o[2 * c + 1][2 * h], o[2 * c][2 * h + 1], o[2 * c + 1][2 * h + 1]);
+        } else {
+            float* dst = sO + (warp * 16 + rr) * OSTR + 2 * t4;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+                *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+        }
         if (t4 == 0) {
             sML[(warp * 16 + rr) * 2 + 0] = m_run[h];
             sML[(warp * 16 + rr) * 2 + 1] = l;
@@ -456,13 +540,12 @@ __device__ __forceinline__ void split_epilogue(const FcParams& p, float (&o)[D /
     }
 }
 
-// Shared address of (row, 16-byte chunk) in a ring tile of e4m3 bytes: row-major, unswizzled
-// (each thread reads back only what it copied, see widen_tile). The 16-bit tiles are swizzled
-// (swz_elems); their address arithmetic is kept as it was, and their kernels' PTX with it (other
-// forms spilled d64 local 8 B on sm_80).
+// Shared address of (row, 16-byte chunk) in a ring tile of e4m3 bytes (swz8_bytes). The
+// 16-bit tiles' address arithmetic is kept as it was (swz_elems), and their kernels' PTX with
+// it (other forms spilled d64 local 8 B on sm_80).
 template <int D, typename T>
 __device__ __forceinline__ uint32_t ring_addr8(T* tile, int row, int ch) {
-    return smem_addr(reinterpret_cast<unsigned char*>(tile) + row * D + ch * 16);
+    return smem_addr(tile) + swz8_bytes<D>(row, ch);
 }
 
 // The head's K and V base of sequence bb, kv head kvh: the head's rows in a paged pool (rows
@@ -574,6 +657,20 @@ struct KvTileLoader {
         const int slot = t * BN - j * p.page_size + row_first();
         ko = fc::paged_offset(page, slot, p.k_batch_stride, ksr);
         vo = fc::paged_offset(page, slot, p.v_batch_stride, vsr);
+    }
+    // F8: whether the chunks this thread copied into ring slot `slot` (visible to it once its
+    // copies are waited for) hold an e4m3 NaN byte; the rows as the load path that wrote them
+    // (dealt out by warp on whole pages shorter than a tile).
+    __device__ __forceinline__ bool copied_have_nan(int slot) const {
+        constexpr int N = BN * KCPR / THREADS;
+        const unsigned char* sK = reinterpret_cast<const unsigned char*>(sKV) + slot * (2 * BN * D);
+        const bool by_warp = whole_pages && warp_rows;
+        const int rf = by_warp ? row_first() : tid / KCPR;
+        const int step = by_warp ? 32 / KCPR : THREADS / KCPR;
+        const int ch = tid % KCPR;
+        return chunks_have_nan<2 * N>([&](int i) {
+            return reinterpret_cast<const uint4*>(sK + (i & 1) * (BN * D) + swz8_bytes<D>(rf + (i >> 1) * step, ch));
+        });
     }
     __device__ __forceinline__ uint32_t addr(T* tile, int row, int ch) const {
         return F8 ? ring_addr8<D>(tile, row, ch) : smem_addr(tile + swz_elems<D>(row, ch));
@@ -783,11 +880,11 @@ __host__ __device__ constexpr bool split_shape_ok() {
     return true;
 }
 
-// KV: T, or e4m3_t for FP8 K/V (the `_e4m3` kernels): the ring holds K/V tiles of bytes as
-// they are in memory (row-major, unswizzled); after a tile lands each thread widens the chunks
-// it copied into one K and one V tile of T (swizzled as a 16-bit tile), which the loop below
-// reads unchanged. The K scale of the head folds into the softmax scale (its sign and zero
-// into the widened K), the V scale into the final 1 / L: no per-element multiply.
+// KV: T, or e4m3_t for FP8 K/V (the `_e4m3` kernels): the ring holds K/V tiles of bytes
+// (swz8_bytes), and the tensor-core steps widen the B fragments they read from them in
+// registers (qk_step_f8, pv_step_f8): no 16-bit copy of a tile, no barrier beyond the 16-bit
+// kernels'. The K scale of the head folds into the softmax scale (its sign and zero into Q's
+// fragments), the V scale into the final 1 / L: no per-element multiply.
 template <typename T, int D, int MASK, int BM, int BN, int W, int S, typename KV = T, int PF = 128>
 __device__ __forceinline__ void split_kernel(const FcParams& p) {
     constexpr int THREADS = W * 32;
@@ -796,7 +893,9 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     constexpr int KEL = 16 / KB;       // K/V elements per 16-byte chunk
     constexpr int KT = D / 16;   // k16 steps of Q.K^T
     constexpr int NT = D / 8;    // n8 tiles of O
-    constexpr bool Q_IN_REGS = D <= 128;
+    // (F8 windowed d128 reads Q from shared memory: with Q held, the widening's registers
+    // spilled 36-40 B)
+    constexpr bool Q_IN_REGS = D <= 128 && !(F8 && MASK == fc::MASK_WINDOW && D == 128);
     static_assert(split_shape_ok<T, KV, D, BM, BN, W, S>(), "split kernel shape");
 
     extern __shared__ __align__(128) unsigned char fc_decode_smem[];
@@ -804,9 +903,8 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     fc::pdl_launch_dependents();  // let the combine grid get scheduled early (it waits for our completion)
     T* sQ = reinterpret_cast<T*>(fc_decode_smem);
     // S stages of [K tile BN x D][V tile BN x D] of KV elements (addressed in units of T, as
-    // the 16-bit kernels always were); F8: then the widened K and V tiles
+    // the 16-bit kernels always were)
     T* sKV = sQ + BM * D;
-    T* sKw = sKV + S * BN * D * KB;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, t4 = lane & 3;
@@ -921,11 +1019,18 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3);  // V (B operand, trans) + key0
     const int v_chk = lane >> 4;                              // + 2*j2
 
+    const int q_row = wm * 16 + g8;  // F8: Q rows of q_frag_f8
+    const QSign qsign(k_scale<F8>(p, kvh));
     uint32_t qf[Q_IN_REGS ? KT : 1][4];
     if constexpr (Q_IN_REGS) {
 #pragma unroll
-        for (int kk = 0; kk < KT; ++kk)
-            fc::ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], sQ_u + 2 * swz_elems<D>(a_row, 2 * kk + a_chk));
+        for (int kk = 0; kk < KT; ++kk) {
+            if constexpr (F8) {
+                q_frag_f8<D>(qf[kk], reinterpret_cast<const unsigned char*>(sQ), q_row, t4, kk, qsign);
+            } else {
+                fc::ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], sQ_u + 2 * swz_elems<D>(a_row, 2 * kk + a_chk));
+            }
+        }
     }
 
     float o[NT][4];
@@ -948,28 +1053,46 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             fc::cp_async_commit<false>();
         }
         cp_async_wait<S - 1>();  // tile t landed (tiles t+1 .. t+S-1 may be pending)
-        if constexpr (F8) {
-            // Each thread widens the chunks of tile t it copied itself (visible to it after the
-            // wait; the rows of `KvTileLoader::load`) into the single widened K / V tiles, which every
-            // warp finished reading before the barrier at the top of this iteration.
-            widen_tile<T, D, BN, W>(sKw, reinterpret_cast<const unsigned char*>(sKV) + (it % S) * (2 * BN * D),
-                                    kv.whole_pages && kv.warp_rows, k_scale<F8>(p, kvh));
-        }
-        __syncthreads();  // tile t (F8: widened) is visible to all warps
         const int slot = it % S;
-        const uint32_t sK_u = F8 ? smem_addr(sKw) : smem_addr(sKV + slot * (2 * BN * D));
-        const uint32_t sV_u = sK_u + BN * D * 2;
+        // tile t is visible to all warps; F8: and whether any thread's copies hold a NaN byte
+        // (the tile's steps then widen with NaN kept: `e4m3_pair`)
+        bool tile_nan = false;
+        if constexpr (F8) {
+            tile_nan = __syncthreads_or(kv.copied_have_nan(slot));
+        } else {
+            __syncthreads();
+        }
+        const uint32_t sK_u = F8 ? smem_addr(sKV) + slot * (2 * BN * D) : smem_addr(sKV + slot * (2 * BN * D));
+        const uint32_t sV_u = sK_u + BN * D * KB;
         const bool need_mask = (t * BN < lo_all) || ((t + 1) * BN > hi_all);
 
-        for (int c = 0; c < kpw; c += 16) {
-            const int key0 = wn * kpw + c;  // within tile
-            float s[2][4];
-            qk_step<T, D, Q_IN_REGS>(s, qf, sQ_u, a_row, a_chk, sK_u, key0 + k_row, k_chk);
-            modify_scores<F8, BN>(s, p, t, key0, t4, r0, wm, g8, rows_total, sq, sk, bb, kvh);
-            if (need_mask) mask_step(s, t * BN + key0 + 2 * t4, row_lo, row_hi);
-            // online softmax (two rows per thread: h = 0 -> row g8, h = 1 -> row g8 + 8)
-            softmax_step<NT>(s, o, m_run, l_run, sl2);
-            pv_step<T, D>(o, s, sV_u, key0 + v_row, v_chk);
+        // the tile's 16-key steps; KEEP_NAN: F8 widening that keeps NaN bytes NaN
+        auto steps = [&](auto nan_c) {
+            constexpr bool KEEP_NAN = decltype(nan_c)::value;
+            for (int c = 0; c < kpw; c += 16) {
+                const int key0 = wn * kpw + c;  // within tile
+                float s[2][4];
+                if constexpr (F8) {
+                    qk_step_f8<T, D, Q_IN_REGS, KEEP_NAN>(s, qf, reinterpret_cast<const unsigned char*>(sQ), q_row, t4, qsign,
+                                                     sK_u, key0 + k_row, k_chk);
+                } else {
+                    qk_step<T, D, Q_IN_REGS>(s, qf, sQ_u, a_row, a_chk, sK_u, key0 + k_row, k_chk);
+                }
+                modify_scores<F8, BN>(s, p, t, key0, t4, r0, wm, g8, rows_total, sq, sk, bb, kvh);
+                if (need_mask) mask_step(s, t * BN + key0 + 2 * t4, row_lo, row_hi);
+                // online softmax (two rows per thread: h = 0 -> row g8, h = 1 -> row g8 + 8)
+                softmax_step<NT>(s, o, m_run, l_run, sl2);
+                if constexpr (F8) {
+                    pv_step_f8<T, D, KEEP_NAN>(o, s, sV_u, key0 + v_row, v_chk);
+                } else {
+                    pv_step<T, D>(o, s, sV_u, key0 + v_row, v_chk);
+                }
+            }
+        };
+        if (F8 && tile_nan) {
+            steps(std::true_type{});
+        } else {
+            steps(std::false_type{});
         }
     }
 

@@ -1,6 +1,6 @@
 //! The split-KV decode's grid: key-range splits, balanced splits, occupancy cap and clusters.
 
-use super::variants::{KMask, Variant};
+use super::variants::{KMask, KvType, Variant};
 use super::{Device, Options};
 use crate::params::{Keys, Problem, Seqs};
 
@@ -82,8 +82,11 @@ pub fn decode_capped_smem(
     sk: usize,
 ) -> Option<u32> {
     const H100_BYTES_PER_S: f64 = 3.35e12;
+    // (FP8 K/V: the e4m3 kernels widen every element in registers, so they keep every CTA
+    // their shared memory allows)
     if info.major != 9
         || v.warps < 4
+        || matches!(v.kv, KvType::E4m3)
         || info.dram_bytes_per_s <= 0.0
         || info.smem_per_sm == 0
         || opts.decode_full_occupancy
@@ -100,12 +103,12 @@ pub fn decode_capped_smem(
         let wave = per * sms;
         ctas as f64 / (ctas.div_ceil(wave) * wave) as f64
     };
-    // K and V tiles of 2-byte elements in flight per CTA; the fewest CTAs that hold the target
+    // K and V bytes in flight per CTA (16-bit tiles); the fewest CTAs that hold the target
     // (5 % slack: the H100's reported clock gives 1.001 x its 64 KB)
-    let in_flight = (v.stages * v.block_n * v.head_dim * 2 * 2) as f64;
+    let in_flight = (v.stages * v.block_n_16bit() * v.head_dim * 2 * 2) as f64;
     let target = 65536.0 * info.dram_bytes_per_s / H100_BYTES_PER_S;
     let mut cap = ((target / in_flight - 0.05).ceil() as usize).max(1);
-    let short_pages = page_size.is_some_and(|ps| ps < 2 * v.block_n as usize);
+    let short_pages = page_size.is_some_and(|ps| ps < 2 * v.block_n_16bit() as usize);
     if short_pages || (sk < 8192 && fill(natural) >= 0.85) {
         cap = cap.max(2);
     }
@@ -150,7 +153,8 @@ pub(crate) fn decode_grid(
         Keys::Paged { page_size, .. } => Some(page_size),
         _ => None,
     };
-    let small_pages = page_size.is_some_and(|ps| ps % bn != 0);
+    // (counted in 16-bit tiles: an e4m3 tile of 2 x 64 keys holds the bytes of one of 64)
+    let small_pages = page_size.is_some_and(|ps| ps % variant.block_n_16bit() as usize != 0);
     let slots = if small_pages { 2 * sms } else { sms };
     let even = decode_num_splits(p.b, p.hkv, p.hq, p.sq, p.sk, slots, bm, bn);
     // A packed or paged batch's lengths differ, and the host does not know them (they are on
