@@ -644,7 +644,8 @@ fn last_dim(t: &Tensor) -> usize {
 /// (`cuda::fp8::widen_pages`); the problem then runs on those. Pages no sequence reads are not
 /// read, and no table is read on the host: a lying page id or length makes that sequence's rows
 /// NaN, as with 16-bit pools (docs/decisions.md#device-side-checks). The temporary pools hold
-/// `batch * max_pages` pages (the table's width), as the gathered 16-bit path's scratch does.
+/// `batch * max_pages` pages (the table's width), as the gathered 16-bit path's scratch does;
+/// only the used ones are written.
 /// A chunk (`AttnParams::chunk`) is split into pieces first (src/chunk.rs, which reads the
 /// tables on the host); each piece comes back here without one.
 /// docs/decisions.md#fp8-keys-and-values-in-the-decode-kernel.

@@ -429,7 +429,11 @@ fn fp8_paged_prefill_slow_path() -> Result<()> {
         let pl = pools_with(&mut rng, &lens, page, hkv, dk, dv, pad)?;
         for (mi, &mask) in masks.iter().enumerate() {
             let i = si * masks.len() + mi;
-            let dtype = if i.is_multiple_of(2) { DType::BF16 } else { DType::F16 };
+            let dtype = if i.is_multiple_of(2) {
+                DType::BF16
+            } else {
+                DType::F16
+            };
             let n = if i % 3 == 1 { 1 } else { hkv };
             let s = KvScales {
                 k: scales(n, 0.15 + mi as f32 * 0.2)?,

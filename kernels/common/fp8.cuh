@@ -104,13 +104,14 @@ extern "C" __global__ void __launch_bounds__(256) fc_copy_e4m3(const uint8_t* __
 // batch reads, widened into 16-bit (or f32) pools in sequence order, K and V in one launch.
 // Slot bi * max_pages + j of the output pools (b * max_pages pages of the input's page_size rows,
 // contiguous (slot, row, head, column)) holds page table[bi][j] widened, for the pages sequence bi
-// uses (j < ceil(len / page_size), len = seqlens[bi] clamped into [0, max_pages * page_size]);
-// every other slot, and a used slot whose page id is not a page of the pool, holds zeros: every
-// output element is written, no read leaves the pools. The remapped table `out_table` (b,
-// max_pages) holds the slot of each entry, except -1 (0xFFFFFFFF as u32) where a used entry's
-// page id lies: the 16-bit call after it clamps that id (reading a slot of zeros) and its table
-// check turns the sequence's rows into NaN, as for a 16-bit pool (docs/decisions.md#device-side-checks).
-// Lengths are passed on unchanged, so a lying length is caught the same way.
+// uses (j < ceil(len / page_size), len = seqlens[bi] clamped into [0, max_pages * page_size]).
+// Other slots are not written: no kernel reads a page past a sequence's length (the table's
+// columns there may hold any id), and a lying sequence's rows become NaN whatever they read.
+// The remapped table `out_table` (b, max_pages) holds every entry's slot, except -1 (0xFFFFFFFF
+// as u32) where a used entry's page id is not a page of the pool: the 16-bit call after it
+// clamps that id into the widened pools (no read outside them) and its table check turns the
+// sequence's rows into NaN, as for a 16-bit pool (docs/decisions.md#device-side-checks). Lengths
+// are passed on unchanged, so a lying length is caught the same way. No read leaves the pools.
 namespace fc8 {
 
 struct PagesWiden {
@@ -196,22 +197,19 @@ __device__ __forceinline__ void widen_pages(const PagesWiden& p) {
         const bool read = used && page >= 0 && page < p.num_pages;
         if (kv == 0 && part == 0 && threadIdx.x == 0)
             reinterpret_cast<int32_t*>(p.out_table)[slot] = used && !read ? -1 : (int32_t)slot;
+        if (!read) continue;  // block-uniform
         const int u0 = part * (256 * WIDEN_ITER) + threadIdx.x;
         Bytes<VEC> b[WIDEN_ITER];
 #pragma unroll
         for (int it = 0; it < WIDEN_ITER; ++it) {
             const int u = u0 + it * 256;
             if (u < units) {
-                if (read) {
-                    const int c = u % cpr;
-                    const int rh = u / cpr;
-                    const int h = rh % p.hkv;
-                    const int r = rh / p.hkv;
-                    b[it] = load_bytes<VEC>(src + (int64_t)page * p.s_page[kv] + (int64_t)r * p.s_row[kv] +
-                                            (int64_t)h * p.s_head[kv] + c * VEC);
-                } else {
-                    b[it] = Bytes<VEC>{};
-                }
+                const int c = u % cpr;
+                const int rh = u / cpr;
+                const int h = rh % p.hkv;
+                const int r = rh / p.hkv;
+                b[it] = load_bytes<VEC>(src + (int64_t)page * p.s_page[kv] + (int64_t)r * p.s_row[kv] +
+                                        (int64_t)h * p.s_head[kv] + c * VEC);
             }
         }
 #pragma unroll
@@ -219,8 +217,8 @@ __device__ __forceinline__ void widen_pages(const PagesWiden& p) {
             const int u = u0 + it * 256;
             if (u < units) {
                 const int h = (u / cpr) % p.hkv;
-                const float s = read ? __ldg(scale + (p.per_head[kv] ? h : 0)) : 0.0f;
-                store_widened<T, VEC>(b[it], s, dst + slot * page_elems + (int64_t)u * VEC);
+                store_widened<T, VEC>(b[it], __ldg(scale + (p.per_head[kv] ? h : 0)),
+                                      dst + slot * page_elems + (int64_t)u * VEC);
             }
         }
     }

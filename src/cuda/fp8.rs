@@ -172,12 +172,13 @@ const WIDEN_VECTORS_PER_BLOCK: usize = 256 * 4;
 /// The paged slow path's widening: the pages each sequence of the batch uses, read through
 /// `page_table` on the device, widened (`stored * scale`, one rounding to `dtype`) into pools of
 /// `batch * max_pages` pages in sequence order (slot `bi * max_pages + j` for table entry
-/// `[bi][j]`; slots past a sequence's pages hold zeros), with the page table renumbered into
-/// them. A used entry whose page id is not a page of the pool becomes -1 in the renumbered table
-/// (`u32::MAX`), so the call over the widened pools turns that sequence's rows into NaN as a
-/// 16-bit pool's lying table does; lengths are not read on the host. One launch for K and V, no
-/// host synchronisation (kernels/common/fp8.cuh, `fc_widen_pages_*`). The pools, table and
-/// lengths have passed `validate_paged` (rank 4, head dim contiguous; u32 tables, contiguous);
+/// `[bi][j]`), with the page table renumbered into them. Slots past a sequence's pages are not
+/// written: no kernel reads a page past a sequence's length. A used entry whose page id is not
+/// a page of the pool becomes -1 in the renumbered table (`u32::MAX`), so the call over the
+/// widened pools clamps it and turns that sequence's rows into NaN, as a 16-bit pool's lying
+/// table does; lengths are not read on the host. One launch for K and V, no host
+/// synchronisation (kernels/common/fp8.cuh, `fc_widen_pages_*`). The pools, table and lengths
+/// have passed `validate_paged` (rank 4, head dim contiguous; u32 tables, contiguous);
 /// `max_pages` is the table's width.
 pub(crate) fn widen_pages(
     kv: &crate::params::PagedKv,
@@ -226,8 +227,10 @@ pub(crate) fn widen_pages(
         (_, 8) => "fc_widen_pages_e4m3_f32_v8",
         _ => "fc_widen_pages_e4m3_f32_v1",
     };
-    // SAFETY: the kernel writes every element of the three outputs (every slot of both pools,
-    // widened or zeros, and every table entry).
+    // SAFETY: the kernel writes every table entry and every slot a sequence uses; the paged
+    // kernels read only those slots' rows (rows past a sequence's length in its last page are
+    // masked, as in any pool) and, for a lying entry, its clamped slot inside the pools, whose
+    // rows are then replaced by NaN.
     let (kw, vw, table) = unsafe {
         (
             Tensor::empty((slots, page_size, hkv, dk), dtype, k.device())?,
