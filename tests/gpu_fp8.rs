@@ -677,7 +677,8 @@ fn fp8_append_on_the_gpu_matches_the_cpu() -> Result<()> {
 
 /// `quantize_e4m3` / `dequantize_e4m3` on the GPU (flashcore's kernels) against the CPU (candle's
 /// casts): bit-identical e4m3 bytes for bf16 / f16 / f32 inputs given as strided views, with
-/// values past ±448 (saturated), infinities and NaN; identical widened values in every dtype;
+/// values past ±448 (saturated), infinities and NaN; identical widened values in every dtype
+/// (16-byte vectors and element by element);
 /// and a dense decode over a misaligned F8E4M3 view (copied by the e4m3 copy kernel first).
 #[test]
 fn fp8_conversions_match_the_cpu() -> Result<()> {
@@ -727,17 +728,27 @@ fn fp8_conversions_match_the_cpu() -> Result<()> {
                 bc.iter().filter(|v| v.abs() == 448.0).count()
             );
             assert!(bg.iter().any(|v| v.abs() == 448.0), "{dtype:?}: saturation");
-            // widen the GPU bytes on both devices (through a strided view again; heads stay
-            // the second-to-last dim)
-            let wc = flashcore::dequantize_e4m3(&qg.to_device(&cpu)?.transpose(0, 1)?, &s, dtype)?;
-            let wg = flashcore::dequantize_e4m3(&qg.transpose(0, 1)?, &sg, dtype)?;
-            assert_eq!(wg.dtype(), dtype);
-            let (vc, vg) = (bits(&wc)?, bits(&wg)?);
-            let same = vc
-                .iter()
-                .zip(&vg)
-                .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
-            assert!(same, "{dtype:?} per_head {per_head}: widened values differ");
+            // widen the GPU bytes on both devices, through strided views again (heads stay the
+            // second-to-last dim): rows of 16-byte vectors (the vector kernel), and rows at an
+            // offset of 8 bytes (element by element)
+            for view in ["transposed", "offset 8"] {
+                let f = |t: &Tensor| match view {
+                    "transposed" => t.transpose(0, 1),
+                    _ => t.narrow(3, 8, d - 16),
+                };
+                let wc = flashcore::dequantize_e4m3(&f(&qg.to_device(&cpu)?)?, &s, dtype)?;
+                let wg = flashcore::dequantize_e4m3(&f(&qg)?, &sg, dtype)?;
+                assert_eq!(wg.dtype(), dtype);
+                let (vc, vg) = (bits(&wc)?, bits(&wg)?);
+                let same = vc
+                    .iter()
+                    .zip(&vg)
+                    .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+                assert!(
+                    same,
+                    "{dtype:?} per_head {per_head} {view}: widened values differ"
+                );
+            }
         }
     }
     // a misaligned F8E4M3 view (offset 8 bytes into each row): copied, then decoded

@@ -239,3 +239,28 @@ FC8_WIDEN_PAGES(fc_widen_pages_e4m3_f16_v1, __half, 1)
 FC8_WIDEN_PAGES(fc_widen_pages_e4m3_f32_v16, float, 16)
 FC8_WIDEN_PAGES(fc_widen_pages_e4m3_f32_v8, float, 8)
 FC8_WIDEN_PAGES(fc_widen_pages_e4m3_f32_v1, float, 1)
+
+// widen over 16-element vectors: the view's last dim contiguous, a multiple of 16 long, every
+// other stride and the view's start a multiple of 16 bytes (the host checks), so each vector
+// lies in one row of one head and `out + 16 i` is 32-byte aligned.
+namespace fc8 {
+template <typename T>
+__device__ __forceinline__ void widen16(const uint8_t* __restrict__ x, View4 v, T* __restrict__ out,
+                                        const float* __restrict__ scale, int per_head) {
+    const int64_t n = v.count() / 16;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        int h;
+        const int64_t o = v.offset(i * 16, h);
+        store_widened<T, 16>(load_bytes<16>(x + o), __ldg(scale + (per_head ? h : 0)), out + i * 16);
+    }
+}
+}  // namespace fc8
+#define FC8_WIDEN16(NAME, T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const uint8_t* x, fc8::View4 v, T* out, \
+                                                           const float* scale, int per_head) {  \
+        fc8::widen16<T>(x, v, out, scale, per_head);                                           \
+    }
+FC8_WIDEN16(fc_widen_e4m3_bf16_v16, __nv_bfloat16)
+FC8_WIDEN16(fc_widen_e4m3_f16_v16, __half)
+FC8_WIDEN16(fc_widen_e4m3_f32_v16, float)

@@ -66,8 +66,15 @@ fn suffix(dtype: DType, what: &str) -> Result<&'static str> {
     })
 }
 
-/// Launches `sym` over the elements of `x` (a rank-4 view), writing `out` (contiguous, fresh).
-fn run(sym: &str, x: &Tensor, out: &Tensor, scale: Option<&Tensor>) -> Result<()> {
+/// Launches `sym` over the elements of `x` (a rank-4 view), `per_thread` of them per thread and
+/// step, writing `out` (contiguous, fresh).
+fn run(
+    sym: &str,
+    x: &Tensor,
+    out: &Tensor,
+    scale: Option<&Tensor>,
+    per_thread: usize,
+) -> Result<()> {
     let Device::Cuda(dev) = x.device() else {
         candle_core::bail!("flashcore: internal: {sym} on a CPU tensor")
     };
@@ -81,7 +88,7 @@ fn run(sym: &str, x: &Tensor, out: &Tensor, scale: Option<&Tensor>) -> Result<()
     let f = launch::function(&stream, "sm80", sym, 0, &shape)?;
     let (src, dst) = (address(x, &stream)?, address(out, &stream)?);
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 65536) as u32, 1, 1),
+        grid_dim: (n.div_ceil(256 * per_thread).clamp(1, 65536) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -116,20 +123,41 @@ pub(crate) fn quantize(x: &Tensor, scale: &Tensor) -> Result<Tensor> {
     };
     // SAFETY: the kernel writes every element of `out` (a grid-stride loop over all of them).
     let out = unsafe { Tensor::empty(x.shape(), DType::F8E4M3, x.device())? };
-    run(sym, x, &out, Some(scale))?;
+    run(sym, x, &out, Some(scale), 1)?;
     Ok(out)
+}
+
+/// Whether `x`'s elements come in 16-byte vectors of one row: the last dim contiguous and a
+/// multiple of 16 long, the start and every other stride (of dims longer than 1) multiples of 16.
+fn rows_of_16(x: &Tensor) -> bool {
+    let (dims, strides) = (x.dims(), x.stride());
+    let Some((&d, rest)) = dims.split_last() else {
+        return false;
+    };
+    d.is_multiple_of(16)
+        && strides.last() == Some(&1)
+        && x.layout().start_offset().is_multiple_of(16)
+        && rest
+            .iter()
+            .zip(strides)
+            .all(|(&n, s)| n <= 1 || s.is_multiple_of(16))
 }
 
 /// `stored * scale` in `dtype` (bf16, f16 or f32), one rounding.
 pub(crate) fn widen(x: &Tensor, scale: &Tensor, dtype: DType) -> Result<Tensor> {
-    let sym = match suffix(dtype, "dequantize")? {
-        "bf16" => "fc_widen_e4m3_bf16",
-        "f16" => "fc_widen_e4m3_f16",
-        _ => "fc_widen_e4m3_f32",
+    let vec16 = rows_of_16(x);
+    let sym = match (suffix(dtype, "dequantize")?, vec16) {
+        ("bf16", true) => "fc_widen_e4m3_bf16_v16",
+        ("f16", true) => "fc_widen_e4m3_f16_v16",
+        (_, true) => "fc_widen_e4m3_f32_v16",
+        ("bf16", false) => "fc_widen_e4m3_bf16",
+        ("f16", false) => "fc_widen_e4m3_f16",
+        (_, false) => "fc_widen_e4m3_f32",
     };
-    // SAFETY: the kernel writes every element of `out` (a grid-stride loop over all of them).
+    // SAFETY: the kernel writes every element of `out` (a grid-stride loop over all of them, or
+    // over all their 16-element vectors).
     let out = unsafe { Tensor::empty(x.shape(), dtype, x.device())? };
-    run(sym, x, &out, Some(scale))?;
+    run(sym, x, &out, Some(scale), if vec16 { 16 } else { 1 })?;
     Ok(out)
 }
 
@@ -137,7 +165,7 @@ pub(crate) fn widen(x: &Tensor, scale: &Tensor, dtype: DType) -> Result<Tensor> 
 pub(crate) fn contiguous(x: &Tensor) -> Result<Tensor> {
     // SAFETY: the kernel writes every element of `out` (a grid-stride loop over all of them).
     let out = unsafe { Tensor::empty(x.shape(), DType::F8E4M3, x.device())? };
-    run("fc_copy_e4m3", x, &out, None)?;
+    run("fc_copy_e4m3", x, &out, None, 1)?;
     Ok(out)
 }
 
