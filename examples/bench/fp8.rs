@@ -11,8 +11,9 @@
 //! before the call) over a paged cache holding sk = 4k / 16k / 32k keys in all, b1 / b4, 32/8
 //! heads, d128, pages of 64 in shuffled order. The FP8 cache takes the slow path (its pages
 //! widened to bf16 on the device, then the bf16 kernels). Per row: both times, TFLOPS, the FP8
-//! run's speed over the bf16 one, what the difference costs per byte the widening moves, and the
-//! largest difference between the two outputs (a mismatch beyond bf16 rounding fails the run).
+//! run's speed over the bf16 one, what the difference costs per byte the widening moves, the time
+//! `dequantize_e4m3` takes for both pools alone, and the largest difference between the two
+//! outputs (a mismatch beyond bf16 rounding fails the run).
 
 use super::{json_num, time_call, Args};
 use anyhow::bail;
@@ -188,6 +189,13 @@ pub fn prefill_grid(args: &Args, dev: &Device) -> Result<()> {
             let c = caches(b * sk / PAGE, &s, dev)?;
             let pt = table(b, sk, dev)?;
             let lens = Tensor::new(vec![sk as u32; b].as_slice(), dev)?;
+            // the widening's cost alone, near enough: both pools dequantized whole (the table
+            // uses every page) by `dequantize_e4m3`
+            let tw = time_call(args, dev, |_| {
+                flashcore::dequantize_e4m3(&c.k8, &s.k, DType::BF16)?;
+                flashcore::dequantize_e4m3(&c.v8, &s.v, DType::BF16)?;
+                Ok(())
+            })??;
             for sq in [512usize, 2048] {
                 let q = Tensor::randn(0f32, 1., (b, sq, HQ, D), dev)?.to_dtype(DType::BF16)?;
                 let run16 = || flashcore::attention_paged(&q, &c.k16, &c.v16, &pt, &lens, &causal);
@@ -222,7 +230,7 @@ pub fn prefill_grid(args: &Args, dev: &Device) -> Result<()> {
                     "d": D, "page": PAGE, "causal": true, "us_bf16": json_num(t16),
                     "us_fp8": json_num(t8), "tflops_bf16": json_num(tf16),
                     "tflops_fp8": json_num(tf8), "speed": json_num(t16 / t8),
-                    "gap_gbps": gap_gbps.map(json_num), "max_diff": json_num(diff as f64),
+                    "gap_gbps": gap_gbps.map(json_num), "us_dequantize_pools": json_num(tw), "max_diff": json_num(diff as f64),
                     "max_out": json_num(mag as f64), "finite": finite, "ok": ok,
                     "timing": args.timing,
                 });
@@ -230,7 +238,7 @@ pub fn prefill_grid(args: &Args, dev: &Device) -> Result<()> {
                     println!("{row}");
                 } else {
                     println!(
-                        "{}b{b} q{sq:<4} k{sk:<5} d{D} h{HQ}/{HKV} page {PAGE}: bf16 {t16:8.1} us {tf16:6.1} TFLOPS | fp8 {t8:8.1} us {tf8:6.1} TFLOPS | fp8 {:.3}x bf16's speed | gap {:.1} us{} on the widening's {:.0} MB | max |o8 - o16| {diff:.2e} (|o| <= {mag:.2}){}",
+                        "{}b{b} q{sq:<4} k{sk:<5} d{D} h{HQ}/{HKV} page {PAGE}: bf16 {t16:8.1} us {tf16:6.1} TFLOPS | fp8 {t8:8.1} us {tf8:6.1} TFLOPS | fp8 {:.3}x bf16's speed | gap {:.1} us{} on the widening's {:.0} MB (pools dequantized alone {tw:.1} us) | max |o8 - o16| {diff:.2e} (|o| <= {mag:.2}){}",
                         if ok { "" } else { "[FAIL] " },
                         t16 / t8,
                         t8 - t16,
