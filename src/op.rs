@@ -638,10 +638,16 @@ fn last_dim(t: &Tensor) -> usize {
 }
 
 /// The slow path of F8E4M3 pools on a GPU (problems no FP8 kernel takes, such as chunked
-/// prefill; `fp8::in_kernel`): the tables are read and checked on the host, the pages the
-/// sequences read are copied out of the pools and dequantized into temporary pools in q's
-/// dtype (one rounding of `stored * scale`, as bf16 K/V have), and the problem runs on those
-/// with the page table renumbered into them. Pages no sequence reads are not touched.
+/// prefill; `fp8::in_kernel`): the pages each sequence uses are widened on the device, in one
+/// launch for K and V, into temporary pools in q's dtype (one rounding of `stored * scale`, as
+/// bf16 K/V have) laid out in sequence order, with the page table renumbered into them
+/// (`cuda::fp8::widen_pages`); the problem then runs on those. Pages no sequence reads are not
+/// read, and no table is read on the host: a lying page id or length makes that sequence's rows
+/// NaN, as with 16-bit pools (docs/decisions.md#device-side-checks). The temporary pools hold
+/// `batch * max_pages` pages (the table's width), as the gathered 16-bit path's scratch does;
+/// only the used ones are written.
+/// A chunk (`AttnParams::chunk`) is split into pieces first (src/chunk.rs, which reads the
+/// tables on the host); each piece comes back here without one.
 /// docs/decisions.md#fp8-keys-and-values-in-the-decode-kernel.
 fn paged_fp8_widened(
     q: &Tensor,
@@ -660,50 +666,43 @@ fn paged_fp8_widened(
         packed_q,
         params,
     )?;
-    let HostPages {
-        table,
-        lens,
-        page_size,
-        num_pages,
-        max_pages,
-    } = host_pages(kv, &problem)?;
-    // pages in first-use order, and the table renumbered into them
-    let mut slot = vec![u32::MAX; num_pages];
-    let mut pages: Vec<usize> = Vec::new();
-    let mut renumbered = vec![0u32; table.len()];
-    for (i, &len) in lens.iter().enumerate() {
-        for j in 0..len.div_ceil(page_size) {
-            let page = table[i * max_pages + j] as usize;
-            if slot[page] == u32::MAX {
-                slot[page] = pages.len() as u32;
-                pages.push(page);
-            }
-            renumbered[i * max_pages + j] = slot[page];
-        }
+    if problem.chunk.is_some() {
+        return crate::chunk::paged(q, kv, packed_q, &problem, params, want_lse);
     }
-    if pages.is_empty() {
-        pages.push(0); // no keys at all: one page keeps the pools' shapes valid
+    let (total_q, _) = problem.totals();
+    if total_q == 0 {
+        return empty_answer(
+            q,
+            kv.k_pages,
+            kv.v_pages,
+            &problem,
+            params.sinks.as_ref(),
+            want_lse,
+        );
     }
-    let widen = |pool: &Tensor, scale: &Tensor| -> Result<Tensor> {
-        let parts = pages
-            .iter()
-            .map(|&p| pool.narrow(0, p, 1))
-            .collect::<Result<Vec<_>>>()?;
-        crate::fp8::dequantize(&Tensor::cat(&parts, 0)?, scale, q.dtype())
-    };
-    let (k, v) = (widen(kv.k_pages, &scales.k)?, widen(kv.v_pages, &scales.v)?);
-    let page_table = Tensor::from_vec(renumbered, kv.page_table.shape(), q.device())?;
-    let wide = PagedKv {
-        k_pages: &k,
-        v_pages: &v,
-        page_table: &page_table,
-        seqlens_k: kv.seqlens_k,
-    };
-    let p = AttnParams {
-        kv_scales: None,
-        ..params.clone()
-    };
-    run_paged(q, &wide, packed_q, &p, want_lse)
+    #[cfg(feature = "cuda")]
+    {
+        let (k, v, page_table) = crate::cuda::fp8::widen_pages(kv, scales, q.dtype())?;
+        let wide = PagedKv {
+            k_pages: &k,
+            v_pages: &v,
+            page_table: &page_table,
+            seqlens_k: kv.seqlens_k,
+        };
+        let p = AttnParams {
+            kv_scales: None,
+            ..params.clone()
+        };
+        run_paged(q, &wide, packed_q, &p, want_lse)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = scales;
+        candle_core::bail!(
+            "flashcore: q: FP8 pools on a {:?} device need the `cuda` feature",
+            q.device().location()
+        )
+    }
 }
 
 /// A paged problem's page table and lengths read back to the host and checked there (errors

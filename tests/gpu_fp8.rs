@@ -53,6 +53,21 @@ struct Pools {
 }
 
 fn pools(rng: &mut Rng, lens: &[usize], page: usize, hkv: usize, d: usize) -> Result<Pools> {
+    pools_with(rng, lens, page, hkv, d, d, 0)
+}
+
+/// [`pools`] with a K pool of head dim `dk` and a V pool of `dv`; with `pad > 0` each pool is a
+/// view (offset `pad`) of one `pad` columns wider whose first `pad` columns are NaN, so a read of
+/// the wrong columns shows.
+fn pools_with(
+    rng: &mut Rng,
+    lens: &[usize],
+    page: usize,
+    hkv: usize,
+    dk: usize,
+    dv: usize,
+    pad: usize,
+) -> Result<Pools> {
     let cpu = Device::Cpu;
     let need: Vec<usize> = lens.iter().map(|l| l.div_ceil(page)).collect();
     let max_pages = need.iter().copied().max().unwrap_or(0) + 1;
@@ -78,17 +93,24 @@ fn pools(rng: &mut Rng, lens: &[usize], page: usize, hkv: usize, d: usize) -> Re
         }
         next += n;
     }
-    let owned = Tensor::from_vec(owned, (num_pages, page, 1, 1), &cpu)?
-        .broadcast_as((num_pages, page, hkv, d))?;
-    let nan = Tensor::full(f32::NAN, (num_pages, page, hkv, d), &cpu)?;
-    let pool = || -> Result<Tensor> {
-        let x = Tensor::randn(0f32, 3., (num_pages, page, hkv, d), &cpu)?;
-        owned.where_cond(&x, &nan)?.to_dtype(DType::F8E4M3)
+    let owned = Tensor::from_vec(owned, (num_pages, page, 1, 1), &cpu)?;
+    let pool = |d: usize| -> Result<Tensor> {
+        let shape = (num_pages, page, hkv, d);
+        let x = Tensor::randn(0f32, 3., shape, &cpu)?;
+        let nan = Tensor::full(f32::NAN, shape, &cpu)?;
+        let x = owned.broadcast_as(shape)?.where_cond(&x, &nan)?;
+        if pad == 0 {
+            return x.to_dtype(DType::F8E4M3);
+        }
+        let lead = Tensor::full(f32::NAN, (num_pages, page, hkv, pad), &cpu)?;
+        Tensor::cat(&[&lead, &x], 3)?
+            .to_dtype(DType::F8E4M3)?
+            .narrow(3, pad, d)
     };
     let lens32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
     Ok(Pools {
-        k: pool()?,
-        v: pool()?,
+        k: pool(dk)?,
+        v: pool(dv)?,
         table: Tensor::from_vec(table, (lens.len(), max_pages), &cpu)?,
         lens: Tensor::new(lens32.as_slice(), &cpu)?,
     })
@@ -101,14 +123,48 @@ fn scales_on(s: &KvScales, dev: &Device) -> Result<KvScales> {
     })
 }
 
-/// One paged decode case: GPU (q in `dtype`) against the CPU truth (q in f32, same pools), then
-/// the same GPU call with a V scale 1.5x too large, which must fail the check. Returns the
-/// error relative to the bound.
-#[allow(clippy::too_many_arguments)]
+/// One paged case: GPU (q in `dtype`) against the CPU truth (q in f32, same pools), then the
+/// same GPU call with a V scale 1.5x too large, which must fail the check. Returns the error
+/// relative to the bound.
 fn paged_case(
     dev: &Device,
     pl: &Pools,
     q: &Tensor,
+    s: &KvScales,
+    p: &AttnParams,
+    dtype: DType,
+    tag: &str,
+) -> Result<f64> {
+    paged_case_q(dev, pl, q, None, s, p, dtype, tag)
+}
+
+/// `attention_paged_with_lse`, or with `packed` q `attention_paged_varlen_with_lse`.
+#[allow(clippy::too_many_arguments)]
+fn paged_call(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &Tensor,
+    lens: &Tensor,
+    packed: Option<(&Tensor, usize)>,
+    p: &AttnParams,
+) -> Result<(Tensor, Tensor)> {
+    match packed {
+        Some((cu, max_q)) => {
+            flashcore::attention_paged_varlen_with_lse(q, k, v, table, lens, cu, max_q, p)
+        }
+        None => flashcore::attention_paged_with_lse(q, k, v, table, lens, p),
+    }
+}
+
+/// [`paged_case`] with dense q (`packed = None`) or packed q (`Some((cu_seqlens_q on the CPU,
+/// max_seqlen_q))`).
+#[allow(clippy::too_many_arguments)]
+fn paged_case_q(
+    dev: &Device,
+    pl: &Pools,
+    q: &Tensor,
+    packed: Option<(&Tensor, usize)>,
     s: &KvScales,
     p: &AttnParams,
     dtype: DType,
@@ -120,17 +176,27 @@ fn paged_case(
         kv_scales: Some(s.clone()),
         ..params_on(p, &cpu)?
     };
-    let (want, want_lse) =
-        flashcore::attention_paged_with_lse(&q32, &pl.k, &pl.v, &pl.table, &pl.lens, &pc)?;
+    let (want, want_lse) = paged_call(&q32, &pl.k, &pl.v, &pl.table, &pl.lens, packed, &pc)?;
     let on = |t: &Tensor| t.to_device(dev);
     let (kg, vg, tg, lg) = (on(&pl.k)?, on(&pl.v)?, on(&pl.table)?, on(&pl.lens)?);
+    let cug = packed
+        .map(|(cu, m)| Ok::<_, candle_core::Error>((on(cu)?, m)))
+        .transpose()?;
     let qg = q.to_dtype(dtype)?.to_device(dev)?;
     let run = |sc: &KvScales| {
         let pg = AttnParams {
             kv_scales: Some(scales_on(sc, dev)?),
             ..params_on(p, dev)?
         };
-        flashcore::attention_paged_with_lse(&qg, &kg, &vg, &tg, &lg, &pg)
+        paged_call(
+            &qg,
+            &kg,
+            &vg,
+            &tg,
+            &lg,
+            cug.as_ref().map(|(c, m)| (c, *m)),
+            &pg,
+        )
     };
     let (o, lse) = run(s)?;
     assert_eq!(o.dtype(), dtype, "{tag}");
@@ -324,6 +390,239 @@ fn fp8_dense_decode_and_slow_paths() -> Result<()> {
     Ok(())
 }
 
+/// The paged slow path (queries of more than 16 rows over F8E4M3 pools: the pages each sequence
+/// uses widened on the device in one launch, then the 16-bit kernels), dense and packed q, against
+/// the CPU on the same pools and failing with a V scale 1.5x too large: shuffled tables whose
+/// spare columns point at any page, NaN in every pool row no sequence owns, sequences of 0 to
+/// 1500 keys (one with more query rows than keys), pages of 16 / 32 / 64, head dims 128 (16-byte
+/// vectors) and 72 (8-byte), pools that are views at an offset of 4 bytes (read byte by byte)
+/// and 8 bytes with NaN in the columns before them, a V pool narrower than the K pool, GQA 1 /
+/// 2 / 4 / 8, per-head and per-tensor scales, causal / no mask / window, sinks, and a chunk
+/// (split into pieces on the host first).
+#[test]
+fn fp8_paged_prefill_slow_path() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let cpu = Device::Cpu;
+    let mut rng = Rng::from_clock("fp8_paged_prefill");
+    // (name, d_qk, d_v, view offset, page, hq, hkv)
+    let shapes = [
+        ("d128", 128, 128, 0, 64, 8, 2),
+        ("d128 p16", 128, 128, 0, 16, 4, 4),
+        ("d72", 72, 72, 0, 64, 8, 1),
+        ("d64 view +4", 64, 64, 4, 32, 8, 2),
+        ("d128 view +8", 128, 128, 8, 64, 8, 4),
+        ("dk128 dv64", 128, 64, 0, 64, 8, 2),
+    ];
+    let lens = [700usize, 64, 0, 1500, 33];
+    let rows = [37usize, 200, 5, 17, 50];
+    let masks = [
+        Mask::Causal,
+        Mask::None,
+        Mask::Window {
+            left: Some(300),
+            right: Some(0),
+        },
+    ];
+    let (mut cases, mut worst) = (0, 0f64);
+    for (si, &(name, dk, dv, pad, page, hq, hkv)) in shapes.iter().enumerate() {
+        let pl = pools_with(&mut rng, &lens, page, hkv, dk, dv, pad)?;
+        for (mi, &mask) in masks.iter().enumerate() {
+            let i = si * masks.len() + mi;
+            let dtype = if i.is_multiple_of(2) {
+                DType::BF16
+            } else {
+                DType::F16
+            };
+            let n = if i % 3 == 1 { 1 } else { hkv };
+            let s = KvScales {
+                k: scales(n, 0.15 + mi as f32 * 0.2)?,
+                v: scales(n, 0.55)?,
+            };
+            let p = AttnParams {
+                mask,
+                sinks: (i % 4 == 3).then(|| test_sinks(hq, &cpu)).transpose()?,
+                chunk: (mi == 0 && si % 2 == 1).then_some(256),
+                ..Default::default()
+            };
+            let tag = format!(
+                "{name} page{page} hq{hq}/hkv{hkv} {dtype:?} {} scales {} sinks {} chunk {:?}",
+                mask_name(mask),
+                if n == 1 { "per tensor" } else { "per head" },
+                p.sinks.is_some(),
+                p.chunk
+            );
+            // dense q: 40 rows per sequence
+            let q = Tensor::randn(0f32, 1., (lens.len(), 40, hq, dk), &cpu)?;
+            let r = paged_case(&dev, &pl, &q, &s, &p, dtype, &format!("{tag} dense q40"))?;
+            worst = worst.max(r);
+            // packed q: rows per sequence as `rows`
+            let cu = prefix_sums(rows);
+            let total = *cu.last().unwrap() as usize;
+            let q = Tensor::randn(0f32, 1., (total, hq, dk), &cpu)?;
+            let cu = Tensor::new(cu.as_slice(), &cpu)?;
+            let max_q = *rows.iter().max().unwrap();
+            let r = paged_case_q(
+                &dev,
+                &pl,
+                &q,
+                Some((&cu, max_q)),
+                &s,
+                &p,
+                dtype,
+                &format!("{tag} packed q"),
+            )?;
+            worst = worst.max(r);
+            cases += 2;
+        }
+    }
+    println!("{cases} FP8 paged slow-path cases, worst error {worst:.2} of the bound");
+    Ok(())
+}
+
+/// Tables that lie to the paged slow path on the GPU: a page id outside the pool, a length beyond
+/// the table, for dense and packed q. Nothing is read outside the pools, the lying sequence's
+/// rows of O and LSE are NaN (the 16-bit call's table check, as with 16-bit pools), the other
+/// sequences' rows are bit for bit those of the honest call; an honest call afterwards is still
+/// right. With a chunk the tables are read on the host: the lie is an error naming the argument.
+/// Poisoning off, so the NaN comes from the check.
+#[test]
+fn fp8_paged_slow_path_lying_tables() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    flashcore::cuda::set_poison_outputs(false);
+    let cpu = Device::Cpu;
+    let mut rng = Rng::from_clock("fp8_paged_lies");
+    let (hq, hkv) = (8usize, 2usize);
+    let lens = [90usize, 40, 700];
+    let rows = [40usize, 20, 120];
+    let mut outcome = Ok(());
+    for (page, d) in [(16usize, 64usize), (64, 128), (64, 72)] {
+        let pl = pools_with(&mut rng, &lens, page, hkv, d, d, 0)?;
+        let s = KvScales {
+            k: scales(hkv, 0.3)?,
+            v: scales(hkv, 0.7)?,
+        };
+        let p = AttnParams {
+            mask: Mask::Causal,
+            kv_scales: Some(scales_on(&s, &dev)?),
+            ..Default::default()
+        };
+        let on = |t: &Tensor| t.to_device(&dev);
+        let (kg, vg, tg, lg) = (on(&pl.k)?, on(&pl.v)?, on(&pl.table)?, on(&pl.lens)?);
+        let max_pages = pl.table.dim(1)?;
+        let num_pages = pl.k.dim(0)?;
+        let mut t = pl.table.flatten_all()?.to_vec1::<u32>()?;
+        t[max_pages] = num_pages as u32 + 5; // sequence 1's first (used) page
+        let bad_table = Tensor::from_vec(t, (lens.len(), max_pages), &dev)?;
+        let mut l: Vec<u32> = lens.iter().map(|&x| x as u32).collect();
+        l[2] = (max_pages * page + 1) as u32;
+        let bad_lens = Tensor::new(l.as_slice(), &dev)?;
+        let cu = prefix_sums(rows);
+        let total = *cu.last().unwrap() as usize;
+        let cu_g = Tensor::new(cu.as_slice(), &dev)?;
+        let max_q = *rows.iter().max().unwrap();
+        for packed in [false, true] {
+            let q = if packed {
+                Tensor::randn(0f32, 1., (total, hq, d), &cpu)?
+            } else {
+                Tensor::randn(0f32, 1., (lens.len(), 40, hq, d), &cpu)?
+            };
+            let q = q.to_dtype(DType::BF16)?.to_device(&dev)?;
+            let run = |t: &Tensor, l: &Tensor| -> Result<(Tensor, Tensor)> {
+                let cu = packed.then_some((&cu_g, max_q));
+                paged_call(&q, &kg, &vg, t, l, cu, &p)
+            };
+            // per sequence: its rows of O and its LSE entries, flattened
+            let split = |o: &Tensor, lse: &Tensor| -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+                let o = o.to_dtype(DType::F32)?.to_device(&cpu)?;
+                let lse = lse.to_device(&cpu)?;
+                (0..lens.len())
+                    .map(|j| {
+                        let (oj, lj) = if packed {
+                            let (r0, n) = (cu[j] as usize, rows[j]);
+                            (o.narrow(0, r0, n)?, lse.narrow(1, r0, n)?)
+                        } else {
+                            (o.get(j)?, lse.get(j)?)
+                        };
+                        Ok((
+                            oj.flatten_all()?.to_vec1::<f32>()?,
+                            lj.flatten_all()?.to_vec1::<f32>()?,
+                        ))
+                    })
+                    .collect()
+            };
+            let (o, lse) = run(&tg, &lg)?;
+            let good = split(&o, &lse)?;
+            let shape = format!(
+                "page {page} d{d} {}",
+                if packed { "packed" } else { "dense" }
+            );
+            for (lie, t, l, liar) in [
+                ("page id outside the pool", &bad_table, &lg, 1usize),
+                ("length beyond the table", &tg, &bad_lens, 2),
+            ] {
+                let (o, lse) = run(t, l)?;
+                for (j, (oj, lj)) in split(&o, &lse)?.into_iter().enumerate() {
+                    let verdict = if j == liar {
+                        (oj.iter().all(|x| x.is_nan()) && lj.iter().all(|x| x.is_nan()))
+                            .then_some("all NaN")
+                    } else {
+                        let same = |a: &[f32], b: &[f32]| {
+                            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+                        };
+                        (same(&oj, &good[j].0) && same(&lj, &good[j].1))
+                            .then_some("as the honest call")
+                    };
+                    println!(
+                        "{shape}: {lie} (sequence {liar}): sequence {j}: {}",
+                        verdict.unwrap_or("WRONG")
+                    );
+                    if verdict.is_none() {
+                        outcome = Err(candle_core::Error::Msg(format!(
+                            "{shape}: {lie} (sequence {liar}): sequence {j}: {} NaN of {} in O, {} of {} in LSE",
+                            oj.iter().filter(|x| x.is_nan()).count(),
+                            oj.len(),
+                            lj.iter().filter(|x| x.is_nan()).count(),
+                            lj.len()
+                        )));
+                    }
+                }
+            }
+            // with a chunk the pieces are planned from the tables on the host: a lie is an error
+            let pc = AttnParams {
+                chunk: Some(4 * page),
+                ..p.clone()
+            };
+            let cu = packed.then_some((&cu_g, max_q));
+            match paged_call(&q, &kg, &vg, &bad_table, &lg, cu, &pc) {
+                Err(e) if names(&e.to_string(), "page_table") => {}
+                other => {
+                    outcome = Err(candle_core::Error::Msg(format!(
+                        "{shape}: a chunk over a lying table: expected an error naming page_table, got {:?}",
+                        other.map(|_| ())
+                    )))
+                }
+            }
+        }
+    }
+    flashcore::cuda::set_poison_outputs(true);
+    outcome?;
+    // an honest call after the lies
+    let pl = pools(&mut rng, &lens, 64, hkv, 128)?;
+    let s = KvScales {
+        k: scales(hkv, 0.2)?,
+        v: scales(1, 0.6)?,
+    };
+    let q = Tensor::randn(0f32, 1., (lens.len(), 40, hq, 128), &cpu)?;
+    let p = AttnParams {
+        mask: Mask::Causal,
+        ..Default::default()
+    };
+    paged_case(&dev, &pl, &q, &s, &p, DType::BF16, "after lies")?;
+    Ok(())
+}
+
 /// `append_kv_paged_fp8` on the GPU stores the bytes the CPU stores (saturation included), and
 /// a decode reads them back.
 #[test]
@@ -378,7 +677,8 @@ fn fp8_append_on_the_gpu_matches_the_cpu() -> Result<()> {
 
 /// `quantize_e4m3` / `dequantize_e4m3` on the GPU (flashcore's kernels) against the CPU (candle's
 /// casts): bit-identical e4m3 bytes for bf16 / f16 / f32 inputs given as strided views, with
-/// values past ±448 (saturated), infinities and NaN; identical widened values in every dtype;
+/// values past ±448 (saturated), infinities and NaN; identical widened values in every dtype
+/// (16-byte vectors and element by element);
 /// and a dense decode over a misaligned F8E4M3 view (copied by the e4m3 copy kernel first).
 #[test]
 fn fp8_conversions_match_the_cpu() -> Result<()> {
@@ -428,17 +728,27 @@ fn fp8_conversions_match_the_cpu() -> Result<()> {
                 bc.iter().filter(|v| v.abs() == 448.0).count()
             );
             assert!(bg.iter().any(|v| v.abs() == 448.0), "{dtype:?}: saturation");
-            // widen the GPU bytes on both devices (through a strided view again; heads stay
-            // the second-to-last dim)
-            let wc = flashcore::dequantize_e4m3(&qg.to_device(&cpu)?.transpose(0, 1)?, &s, dtype)?;
-            let wg = flashcore::dequantize_e4m3(&qg.transpose(0, 1)?, &sg, dtype)?;
-            assert_eq!(wg.dtype(), dtype);
-            let (vc, vg) = (bits(&wc)?, bits(&wg)?);
-            let same = vc
-                .iter()
-                .zip(&vg)
-                .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
-            assert!(same, "{dtype:?} per_head {per_head}: widened values differ");
+            // widen the GPU bytes on both devices, through strided views again (heads stay the
+            // second-to-last dim): rows of 16-byte vectors (the vector kernel), and rows at an
+            // offset of 8 bytes (element by element)
+            for view in ["transposed", "offset 8"] {
+                let f = |t: &Tensor| match view {
+                    "transposed" => t.transpose(0, 1),
+                    _ => t.narrow(3, 8, d - 16),
+                };
+                let wc = flashcore::dequantize_e4m3(&f(&qg.to_device(&cpu)?)?, &s, dtype)?;
+                let wg = flashcore::dequantize_e4m3(&f(&qg)?, &sg, dtype)?;
+                assert_eq!(wg.dtype(), dtype);
+                let (vc, vg) = (bits(&wc)?, bits(&wg)?);
+                let same = vc
+                    .iter()
+                    .zip(&vg)
+                    .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+                assert!(
+                    same,
+                    "{dtype:?} per_head {per_head} {view}: widened values differ"
+                );
+            }
         }
     }
     // a misaligned F8E4M3 view (offset 8 bytes into each row): copied, then decoded

@@ -20,6 +20,9 @@
 //!   ... --grid fp8decode
 //!       (paged decode, 32/8 heads d128 pages of 64, b1/8/64 x 4k-32k: a bf16 KV cache against
 //!        the same cache in FP8 e4m3; times, GB/s, speed-up and the outputs' largest difference)
+//!   ... --grid fp8prefill
+//!       (chunked prefill, the same heads and pages: 512 / 2048 new causal rows over 4k-32k
+//!        cached keys, b1/b4, bf16 cache against FP8; times, TFLOPS, speed and the difference)
 //!   ... --grid fa3 --backend all --json > fa3.jsonl
 //!   ... --plot-from fa3.jsonl,sdpa.jsonl,fa4.jsonl --plot docs/charts/fa3
 //!       (SVG charts, no device needed: TFLOPS per shape with one series per backend, and
@@ -65,8 +68,8 @@ struct Args {
     /// A named grid: fa3, seeds, llama, sinks, dv (comma-separated for several). sinks: gpt-oss's
     /// attention (d64, 64/8 heads, learnable sinks; causal, and a causal window of 128 keys).
     /// dv: DeepSeek's prefill head dims (q/k 192, v 128; 16 heads).
-    /// fp8decode (alone): paged decode over a bf16 cache against the same cache in FP8
-    /// (examples/bench/fp8.rs).
+    /// fp8decode (alone): paged decode over a bf16 cache against the same cache in FP8;
+    /// fp8prefill (alone): chunked prefill over the two (examples/bench/fp8.rs).
     #[arg(long)]
     grid: Option<String>,
     /// Force a kernel family: sm80 or sm90.
@@ -628,6 +631,9 @@ fn main() -> Result<()> {
     }
     if args.grid.as_deref() == Some("fp8decode") {
         return fp8::grid(&args, &dev);
+    }
+    if args.grid.as_deref() == Some("fp8prefill") {
+        return fp8::prefill_grid(&args, &dev);
     }
     let kv_lens = match &args.kv_lens {
         Some(spec) => {
