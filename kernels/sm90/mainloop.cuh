@@ -179,7 +179,7 @@ struct Mainloop {
             // threshold moves it. Needs a scale > 0 (the dispatcher refuses others).
             const bool first = m_r[r] == -INFINITY;
             const bool upd = first ? mx[r] != -INFINITY : mx[r] * sl2 - m_r[r] * sl2 > RESCALE_LOG2;
-            al[r] = upd && !first ? ex2(m_r[r] * sl2 - mx[r] * sl2) : 1.f;
+            al[r] = upd && !first ? fc::exp2_approx(m_r[r] * sl2 - mx[r] * sl2) : 1.f;
             if (upd) m_r[r] = mx[r];
         }
     }
@@ -194,7 +194,7 @@ struct Mainloop {
 #pragma unroll
         for (int i = i0; i < i1; ++i) {
             const int r = (i >> 1) & 1;
-            s[i] = ex2(fmaf(s[i], sl2, -mu[r]));
+            s[i] = fc::exp2_approx(fmaf(s[i], sl2, -mu[r]));
             ps[r][CAUSAL_SHORT ? (i & 1) : 0] += s[i];
         }
     }
@@ -267,7 +267,7 @@ struct Mainloop {
         const float isl2 = 1.f / sl2;
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i)
-            if (s[i] != INFINITY) s[i] = (lg2(s[i]) + mu[(i >> 1) & 1]) * isl2;
+            if (s[i] != INFINITY) s[i] = (fc::log2_approx(s[i]) + mu[(i >> 1) & 1]) * isl2;
         uint64_t big = 0;
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i)
