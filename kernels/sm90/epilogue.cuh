@@ -102,7 +102,7 @@ struct Epilogue {
             const int cb = col >> 6, ch = (col & 63) >> 3;
             const uint32_t off = cb * BM * 128 + slice + rl * 128 + ((ch ^ (rl & 7)) << 4) + (col & 7) * 2;
             const int r = (i >> 1) & 1;
-            *reinterpret_cast<uint32_t*>(gsO + off) = TypeInfo<T>::pack(ml.o[i] * inv[r], ml.o[i + 1] * inv[r]);
+            *reinterpret_cast<uint32_t*>(gsO + off) = fc::Elem<T>::pack(ml.o[i] * inv[r], ml.o[i + 1] * inv[r]);
         }
     }
     // Varlen (a uniform branch: the dense path stays as it was). A slice that lies inside its

@@ -110,8 +110,8 @@ struct Mainloop {
 #pragma unroll 1
         for (int w = 0; w < DV / 2; ++w) {  // 32-bit words: 2 elements
             const uint32_t blk = (w >> 5), off = (((w & 31) >> 2) << 4) | ((w & 3) << 2);
-            const float2 x = TypeInfo<T>::unpack(fc::ld_shared_b32(qa + blk * BM * 128 + (off ^ qs)));
-            const float2 y = TypeInfo<T>::unpack(fc::ld_shared_b32(ka + blk * KV_CB + (off ^ ks)));
+            const float2 x = fc::Elem<T>::unpack(fc::ld_shared_b32(qa + blk * BM * 128 + (off ^ qs)));
+            const float2 y = fc::Elem<T>::unpack(fc::ld_shared_b32(ka + blk * KV_CB + (off ^ ks)));
             acc = fmaf(x.x, y.x, acc);
             acc = fmaf(x.y, y.y, acc);
         }
@@ -288,7 +288,7 @@ struct Mainloop {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) pa[kk][j] = TypeInfo<T>::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+            for (int j = 0; j < 4; ++j) pa[kk][j] = fc::Elem<T>::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
     }
     // The P V in flight is complete: O and P are this warpgroup's again; `release` frees its V
     // stage.
