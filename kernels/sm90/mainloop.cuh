@@ -52,7 +52,7 @@ struct Mainloop {
     const int c;
     const int t128, warp, lane, g, tq;
     const float sl2;  // the kept scores' unit in exp2 terms (scale, or softcap for CAP)
-    const float pre;  // softcap: S -> tanh(S * pre)
+    const fc::Softcap cap;  // softcap (CAP, p.softcap > 0): S -> tanh(S * scale / softcap)
     const uint64_t dq, dk, dv;  // wgmma descriptors of this warpgroup's Q slice, K and V stage 0
     PipeState<STAGES> ks, vs;  // the K and V rings' positions
 
@@ -86,7 +86,7 @@ struct Mainloop {
           g(lane >> 2),
           tq(lane & 3),
           sl2(CAP ? fc::score_unit_log2(p_.scale_log2, p_.softcap) : p_.scale_log2),
-          pre(CAP && p_.softcap > 0.f ? __fdividef(p_.scale, p_.softcap) : 0.f),
+          cap(p_.scale, p_.softcap),
           dq(desc_sw128(sm_.sQ + c * 8192, 16, 1024)),
           dk(desc_sw128(sm_.sK, 16, KV_RG)),
           dv(desc_sw128(sm_.sV, KV_CB, KV_RG)),
@@ -227,17 +227,17 @@ struct Mainloop {
     }
 
     // ---- score modifiers (the CAP twins; runtime: softcap, ALiBi) ----
-    // Element i of key tile n.
-    __device__ __forceinline__ float alibi(float v, int n, int i) const {
+    // fc::Softcap, then fc::Alibi (common/variants.cuh) on element i of key tile n: key
+    // n * BN + 8 * (i >> 2) + 2 * tq + (i & 1) of row row0 + 8 * ((i >> 1) & 1).
+    __device__ __forceinline__ fc::Alibi alibi_of() const {
         int h, bi;
         tile.head_batch(h, bi);
-        const int col = n * BN + 8 * (i >> 2) + 2 * tq + (i & 1);
-        const int diag = row0 + 8 * ((i >> 1) & 1) + sk_of() - sq_of();
-        return fc::alibi_apply(v, fc::alibi_slope_units(p, bi, h), abs(col - diag), fc::alibi_floor(p));
+        return fc::Alibi(fc::alibi_slope_units(p, bi, h), fc::alibi_floor(p));
     }
     __device__ __forceinline__ float mod_score(float v, int n, int i) const {
-        if (p.softcap > 0.f) v = fc::softcap_tanh(v * pre);
-        if (p.alibi_slopes != nullptr) v = alibi(v, n, i);
+        if (p.softcap > 0.f) v = cap(v);
+        if (p.alibi_slopes != nullptr)
+            v = alibi_of()(v, n * BN + 8 * (i >> 2) + 2 * tq + (i & 1), row0 + 8 * ((i >> 1) & 1) + sk_of() - sq_of());
         return v;
     }
     // The whole S tile of key tile n.
@@ -245,17 +245,14 @@ struct Mainloop {
         if (CAP) {
             if (p.softcap > 0.f) {
 #pragma unroll
-                for (int i = 0; i < BN / 2; ++i) s[i] = fc::softcap_tanh(s[i] * pre);
+                for (int i = 0; i < BN / 2; ++i) s[i] = cap(s[i]);
             }
             if (p.alibi_slopes != nullptr) {
-                int h, bi;
-                tile.head_batch(h, bi);
-                const float sl = fc::alibi_slope_units(p, bi, h);
-                const float lo_ = fc::alibi_floor(p);
+                const fc::Alibi alibi = alibi_of();
                 const int col0 = n * BN + 2 * tq, dg = row0 + sk_of() - sq_of();
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i)
-                    s[i] = fc::alibi_apply(s[i], sl, abs(col0 + 8 * (i >> 2) + (i & 1) - dg - 8 * ((i >> 1) & 1)), lo_);
+                    s[i] = alibi(s[i], col0 + 8 * (i >> 2) + (i & 1), dg + 8 * ((i >> 1) & 1));
             }
         }
     }

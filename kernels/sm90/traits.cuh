@@ -24,7 +24,7 @@ __host__ __device__ __forceinline__ constexpr uint32_t fwd_smem_bytes(int bm, in
 }
 
 // CAP: softcap (p.softcap > 0; the `_cap` twins, FC_SM90_FWD_CAP): each S tile
-// becomes t = tanh(S * scale / softcap) right after its Q K^T (fc::softcap_tanh, before the mask),
+// becomes t = tanh(S * scale / softcap) right after its Q K^T (fc::Softcap, before the mask),
 // and the kept scores' unit is softcap instead of scale (exp2 factor, LSE).
 // DV: the head dim the kernel computes (D: the full kernel). A narrow twin (DV < D, the variant
 // table's `narrow`) keeps the D-wide shared-memory tiles of its kernel but loads, multiplies and
