@@ -69,8 +69,7 @@ __device__ __forceinline__ int keys_of(const FcParams& p, int bi) {
 // kernel was measured with (a value argument computed first reorders their SASS).
 template <class Last>
 __device__ __forceinline__ int page_id(const FcParams& p, int bi, int j, Last last) {
-    const int e = __ldg(p.page_table + (int64_t)bi * p.page_table_stride + j);
-    return clamp_i(e, 0, last());
+    return clamp_i(__ldg(p.page_table + (int64_t)bi * p.page_table_stride + j), 0, last());
 }
 __device__ __forceinline__ int page_of(const FcParams& p, int bi, int key, int& slot) {
     const int ps = p.page_size;

@@ -42,7 +42,7 @@ struct Producer {
                 const int r = lane * pb;
                 if (r < BN) {
                     const int key = min(n * BN + r, (k0 - 1) & -pb);
-                    const int page = fc::page_id(p, bi, key >> sh, [&] { return (p.total_k >> sh) - 1; });
+                    const int page = fc::page_id(p, bi, key >> sh, [&p, sh] { return (p.total_k >> sh) - 1; });
                     if (ILV) {
                         tma_load_5d(dst + r * DB * 128, tm, bar, 0, 0, 0, hk,
                                     (page << (sh - 3)) + ((key & ((1 << sh) - 1)) >> 3), kEvictLast);
