@@ -69,10 +69,10 @@ struct Mainloop {
     TileSlot<Tr> tile;
     int m_block, row0, qb, lo, hi, NT;
     uint32_t q_phase;  // the Q buffer's parity
-    // CAUSAL_SHORT: key tiles n >= n_mask need the mask. WINDOW with a left bound (`left`): tiles
-    // starting left of key_left hold keys some row does not see.
+    // The mask's thresholds (fc::mask_thresholds, begin_tile): CAUSAL_SHORT: key tiles n >= n_mask
+    // need the mask; WINDOW: tiles starting left of key_left hold keys some row does not see
+    // (INT_MIN without a left bound, and always without a window).
     int n_mask, key_left;
-    bool left;
 
     __device__ __forceinline__ Mainloop(const FcParams& p_, const FwdSmem<Tr>& sm_, const Sched& sched_, int wg, int tid,
                                         Accum<Tr>& acc)
@@ -100,6 +100,8 @@ struct Mainloop {
 
     __device__ __forceinline__ int sq_of() const { return tile.sq(); }
     __device__ __forceinline__ int sk_of() const { return tile.sk(); }
+    // sq where the mask reads it (the diagonal): a shared load, so not where it is not needed.
+    __device__ __forceinline__ int sq_mask() const { return CAUSAL ? sq_of() : 0; }
 
     // Raw score of query row `qr` (of the Q tile) and key row `kr` (of a K stage) from the
     // 128B-swizzled tiles in shared memory, f32 accumulation (fix_tile's rare path).
@@ -118,36 +120,42 @@ struct Mainloop {
         return acc;
     }
 
-    // ---- mask ----
+    // ---- mask (common/mask.cuh) ----
     // Key tile n needs masking (it is the ragged last one or crosses the causal diagonal, or a
     // left window bound cuts it); tiles are walked from the last down, so the masked ones come
-    // first.
+    // first. fc::mask_thresholds from begin_tile (CAUSAL_SHORT, a left bound); the other kernels
+    // (no mask, d256 causal) test fc::tile_needs_mask's right-edge terms per tile, written out
+    // with a short circuit: each operand re-reads sq / sk from the tile slot (shared loads), and
+    // through the helper's value parameters those loads moved ahead of the tile arithmetic and
+    // lost the short circuit (the no-mask key loop +16 instructions, d256 causal -8).
     __device__ __forceinline__ bool need_mask(int n) const {
-        if (left && n * BN < key_left) return true;
+        if (n * BN < key_left) return true;
         if (CAUSAL_SHORT) return n >= n_mask;
-        return (n * BN + BN > sk_of()) ||
-               (CAUSAL && n * BN + BN - 1 > m_block * BM + sk_of() - sq_of() + Sched::roff(p));
+        static_assert(!WINDOW || CAUSAL_SHORT, "a window's right bound is tested through the thresholds");
+        return (n * BN + BN > sk_of()) || (CAUSAL && n * BN + BN - 1 > m_block * BM + sk_of() - sq_of());
     }
     template <int NE>
     __device__ __forceinline__ void apply_mask(int n) {
         if (need_mask(n)) {
-            // Keys col < lim[r] are visible to row r (col < sk and, causal, col <= row + sk - sq):
-            // one compare against a constant column offset and one select per element (the
-            // per-element column/row arithmetic cost 3-4 instructions: +1.2-1.4 % at d64
-            // causal 512 / 1k, H100; docs/decisions.md#mask-threshold).
+            // fc::mask_score on each element against its row's band (fc::band_limits) in the
+            // thread's column offsets (keys - col0): one compare against a constant offset and
+            // one select per element (the per-element column/row arithmetic cost 3-4
+            // instructions: +1.2-1.4 % at d64 causal 512 / 1k, H100;
+            // docs/decisions.md#mask-threshold). No window: no left bound to test.
             const int col0 = n * BN + 2 * tq;
-            int lim[2], low[2];
+            int lo[2], hi[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                lim[r] = sk_of() - col0;
-                if (CAUSAL) lim[r] = min(lim[r], row0 + 8 * r + sk_of() - sq_of() + Sched::roff(p) + 1 - col0);
-                // WINDOW: keys col >= low[r] only (the row's left bound)
-                low[r] = left ? row0 + 8 * r + sk_of() - sq_of() - p.window_left - col0 : -0x7fffffff;
+                const int skv = sk_of();  // (sk's load before sq's, as measured)
+                fc::band_limits<MASK>(row0 + 8 * r, sq_mask(), skv, p.window_left, p.window_right, lo[r], hi[r], col0);
             }
 #pragma unroll
             for (int i = 0; i < NE; ++i) {
-                const int cc = 8 * (i >> 2) + (i & 1);
-                if (cc >= lim[(i >> 1) & 1] || (WINDOW && cc < low[(i >> 1) & 1])) s[i] = -INFINITY;
+                const int cc = 8 * (i >> 2) + (i & 1), r = (i >> 1) & 1;
+                if (WINDOW)
+                    fc::mask_score(s[i], cc, lo[r], hi[r]);
+                else
+                    fc::mask_score(s[i], cc, hi[r]);
             }
         }
     }
@@ -365,10 +373,14 @@ struct Mainloop {
     __device__ __forceinline__ void sched_arrive(bool last) const {
         if (PINGPONG && !(last && c == NC - 1)) named_arrive(BAR_SCHED + (c + 1) % NC, 256);
     }
-    // Causal: the keys this warpgroup's rows can see end here (its last row's diagonal + 1),
-    // re-read from the tile slot as everywhere in the consumer (SKIP1 and HALF).
+    // Causal: the keys this warpgroup's rows can see end here (its last row's band,
+    // fc::band_limits), sq and sk re-read from the tile slot as everywhere in the consumer (SKIP1
+    // and HALF).
     __device__ __forceinline__ int wg_key_end() const {
-        return m_block * BM + c * 64 + 64 + sk_of() - sq_of() + Sched::roff(p);
+        const int skv = sk_of();
+        int lo_, hi_;
+        fc::band_limits<MASK>(m_block * BM + c * 64 + 63, sq_of(), skv, p.window_left, p.window_right, lo_, hi_);
+        return hi_;
     }
 
     // ---- one query tile ----
@@ -393,9 +405,13 @@ struct Mainloop {
         // is <= 0 when every tile does). Computed once per tile: re-reading sq and sk from the
         // slot in every key tile put two shared loads and a uniform chain before each softmax
         // (docs/decisions.md#mask-threshold).
-        n_mask = CAUSAL_SHORT ? min(sk_of() / BN, (m_block * BM + sk_of() - sq_of() + Sched::roff(p) + 1) / BN) : 0;
-        left = WINDOW && p.window_left >= 0;
-        key_left = left ? m_block * BM + BM - 1 + sk_of() - sq_of() - p.window_left : 0;
+        n_mask = 0;
+        key_left = -0x7fffffff - 1;
+        if (CAUSAL_SHORT || WINDOW) {
+            const int skv = sk_of();
+            fc::mask_thresholds<MASK, BN>(m_block * BM, m_block * BM + BM - 1, sq_of(), skv, p.window_left,
+                                          p.window_right, n_mask, key_left);
+        }
         return discard;
     }
     // SKIP1 (causal tiles without SPV: d64 192x128, d256): the warpgroup's first key tile is

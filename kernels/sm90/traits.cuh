@@ -61,9 +61,9 @@ struct FwdTraits {
     static_assert(BN % 16 == 0 && BN <= 256, "BLOCK_N multiple of 16");
     static_assert(MASK >= 0 && MASK <= 2, "sm90 path: mask none, causal or window");
     // MASK 2, a window with a right bound (p.window_right >= 0, the host's rule): the causal
-    // machinery runs on the diagonal shifted right by window_right (TileScheduler::roff), and a
-    // left bound (p.window_left >= 0) starts each query tile's key walk at its first row's first
-    // key tile (TileScheduler::n_first) and masks the tiles a row's bound cuts
+    // machinery runs on the window's right edge (common/mask.cuh's band of a row), and a left
+    // bound (p.window_left >= 0) starts each query tile's key walk at its first row's first key
+    // tile (TileScheduler::n_first) and masks the tiles a row's bound cuts
     // (docs/decisions.md#sm90-windows).
     static constexpr bool CAUSAL = MASK >= 1;
     static constexpr bool WINDOW = MASK == 2;
