@@ -1,7 +1,7 @@
-// flashcore: the PTX the kernel families share (SFU exp2, cp.async, ldmatrix, the 16-bit tile
-// swizzle, programmatic dependent launch, register laundering) and the 16-bit dtype traits of
-// mma.sync. One definition each; where two kernels need different ordering guarantees from the
-// same instruction (a "memory" clobber or `volatile`), the difference is a template parameter
+// flashcore: the PTX the kernel families share (SFU exp2 / log2, cp.async, ldmatrix, the 16-bit
+// tile swizzle, programmatic dependent launch, register laundering) and the 16-bit dtype traits.
+// One definition each; where two kernels need different ordering guarantees from the same
+// instruction (a "memory" clobber or `volatile`), the difference is a template parameter
 // here, not a second copy, so that each kernel keeps the instruction order it was measured with.
 #pragma once
 #include <stdint.h>
@@ -136,15 +136,18 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 
 // ---------------------------------------------------------------- 16-bit dtype traits
-// Elem<T> for T = __nv_bfloat16 / __half: the m16n8k16 tensor-core MMA with f32 accumulators
-// (c += a b, A row-major in four registers, B column-major in two) and the f32 pair -> T pair
-// conversion (lo -> bits [15:0], hi -> bits [31:16], round to nearest even). ORDERED: the MMA is
+// Elem<T> for T = __nv_bfloat16 / __half: `bf16`, the m16n8k16 tensor-core MMA with f32
+// accumulators (c += a b, A row-major in four registers, B column-major in two), the f32 pair
+// -> T pair conversion (lo -> bits [15:0], hi -> bits [31:16], round to nearest even) and back
+// (`unpack`: exact). The sm90 kernels take `bf16`, `pack` and `unpack` (their MMAs are wgmma,
+// sm90/wgmma_gen.cuh). ORDERED: the MMA is
 // `volatile` (kept in program order with the other volatile asm, e.g. the ldmatrix feeding it);
 // unordered, the compiler may schedule it freely.
 template <typename T>
 struct Elem;
 template <>
 struct Elem<__nv_bfloat16> {
+    static constexpr bool bf16 = true;
     template <bool ORDERED = true>
     static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
         if constexpr (ORDERED) {
@@ -164,9 +167,13 @@ struct Elem<__nv_bfloat16> {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
     }
+    static __device__ __forceinline__ float2 unpack(uint32_t v) {
+        return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+    }
 };
 template <>
 struct Elem<__half> {
+    static constexpr bool bf16 = false;
     template <bool ORDERED = true>
     static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
         if constexpr (ORDERED) {
@@ -185,6 +192,9 @@ struct Elem<__half> {
         uint32_t r;
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
+    }
+    static __device__ __forceinline__ float2 unpack(uint32_t v) {
+        return __half22float2(*reinterpret_cast<__half2*>(&v));
     }
 };
 

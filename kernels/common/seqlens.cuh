@@ -62,11 +62,20 @@ __device__ __forceinline__ int keys_of(const FcParams& p, int bi) {
 // page_table[bi * page_table_stride + j / page_size]. The page id is clamped into the pool, so a
 // lying table reads a wrong row of the pool, never outside it (fc::pages_lie: that sequence's
 // output becomes NaN). `key` < p.sk = the table's width in keys <= page_table_stride * page_size.
+// page_id is the lookup itself: entry j of sequence bi's table clamped into pages [0, last()]
+// (last() = p.total_k / p.page_size - 1, however the caller has it), for the kernels that find j
+// or the slot their own way (the sm90 producer by shifts, the split-KV decode a window of entries
+// per warp). `last` is a callable, evaluated after the entry's load is issued: the order every
+// kernel was measured with (a value argument computed first reorders their SASS).
+template <class Last>
+__device__ __forceinline__ int page_id(const FcParams& p, int bi, int j, Last last) {
+    return clamp_i(__ldg(p.page_table + (int64_t)bi * p.page_table_stride + j), 0, last());
+}
 __device__ __forceinline__ int page_of(const FcParams& p, int bi, int key, int& slot) {
     const int ps = p.page_size;
     const int j = key / ps;
     slot = key - j * ps;
-    return clamp_i(__ldg(p.page_table + (int64_t)bi * p.page_table_stride + j), 0, p.total_k / ps - 1);
+    return page_id(p, bi, j, [&] { return p.total_k / ps - 1; });
 }
 // Element offset of row `slot` of page `page` in a pool with (page, row) strides: the one form of
 // a paged K/V address (the head's offset is added by the caller).

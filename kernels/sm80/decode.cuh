@@ -618,7 +618,7 @@ struct KvTileLoader {
     // page id j of the sequence (0 past the table's row), clamped into the pool
     __device__ __forceinline__ int read_pages(int j) const {
         return j < p.page_table_stride
-                   ? fc::clamp_i(__ldg(p.page_table + (int64_t)bb * p.page_table_stride + j), 0, last_page)
+                   ? fc::page_id(p, bb, j, [&] { return last_page; })
                    : 0;
     }
     // whole pages: the window from page `base` on

@@ -53,15 +53,15 @@ struct KeySplit {
         }
         // rows that saw no key anywhere keep m = -inf, l = 0 (and O = 0)
         const float ref[2] = {big[0] == -INFINITY ? 0.f : big[0], big[1] == -INFINITY ? 0.f : big[1]};
-        float f[2] = {ex2(mu[0] - ref[0]), ex2(mu[1] - ref[1])};
+        float f[2] = {fc::exp2_approx(mu[0] - ref[0]), fc::exp2_approx(mu[1] - ref[1])};
 #pragma unroll
         for (int r = 0; r < 2; ++r) ml.l_r[r] *= f[r];
 #pragma unroll
         for (int j = 0; j < DV / 2; ++j) ml.o[j] *= f[(j >> 1) & 1];
         for (int k = 1; k < splits; ++k) {
             const float4 ml4 = ld_cluster_v4(mapa(xs + (DV / 8) * 2048, k));
-            f[0] = ex2(ml4.x - ref[0]);
-            f[1] = ex2(ml4.y - ref[1]);
+            f[0] = fc::exp2_approx(ml4.x - ref[0]);
+            f[1] = fc::exp2_approx(ml4.y - ref[1]);
             ml.l_r[0] += f[0] * ml4.z;
             ml.l_r[1] += f[1] * ml4.w;
             const uint32_t peer = mapa(xs, k);

@@ -1,5 +1,5 @@
 // The epilogue of the sm90 forward kernel, per consumer warpgroup: the row sums reduced over the
-// quad, the head's sink (p.sinks, fc::finalize_sink) joined to the normaliser, LSE (natural log,
+// quad, the head's sink (p.sinks, fc::Sink) joined to the normaliser, LSE (natural log,
 // f32), O scaled by 1/l and staged 16-bit and 128B-swizzled in the warpgroup's 64-row slice of
 // the O buffer (SEP_O) or of the Q buffer, then stored by one thread with a TMA bulk-tensor store
 // (rows >= sq fall outside the map) or, for the slice holding a varlen sequence's last rows and
@@ -74,7 +74,7 @@ struct Epilogue {
                 inv[r] = empty ? 0.f : 1.f / l;
                 lse[r] = empty ? -INFINITY : ml.m_r[r] * unit + logf(l);
             } else {
-                inv[r] = fc::finalize_sink(ml.m_r[r] * unit, l, sink, lse[r]);
+                inv[r] = fc::Sink(sink).finalize(ml.m_r[r] * unit, l, lse[r]);
             }
         }
         const int sqv = ml.sq_of();
@@ -102,7 +102,7 @@ struct Epilogue {
             const int cb = col >> 6, ch = (col & 63) >> 3;
             const uint32_t off = cb * BM * 128 + slice + rl * 128 + ((ch ^ (rl & 7)) << 4) + (col & 7) * 2;
             const int r = (i >> 1) & 1;
-            *reinterpret_cast<uint32_t*>(gsO + off) = TypeInfo<T>::pack(ml.o[i] * inv[r], ml.o[i + 1] * inv[r]);
+            *reinterpret_cast<uint32_t*>(gsO + off) = fc::Elem<T>::pack(ml.o[i] * inv[r], ml.o[i + 1] * inv[r]);
         }
     }
     // Varlen (a uniform branch: the dense path stays as it was). A slice that lies inside its

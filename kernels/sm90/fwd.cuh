@@ -152,7 +152,7 @@ struct FwdSm90 : FwdTraits<T, D, MASK, BM, BN, STAGES, PINGPONG, CAP, DV, ILV, S
     __device__ static __forceinline__ void run(const FcParams& p, const CUtensorMap* tmq, const CUtensorMap* tmk,
                                                const CUtensorMap* tmv, const CUtensorMap* tmo) {
         extern __shared__ uint8_t smem_raw[];
-        const FwdSmem<Tr> sm(smem_u32(smem_raw));
+        const FwdSmem<Tr> sm(fc::smem_addr(smem_raw));
         const TileScheduler<Tr> sched(p, sm);
         const int tid = threadIdx.x;
         const int wg = tid / 128;
@@ -163,7 +163,7 @@ struct FwdSm90 : FwdTraits<T, D, MASK, BM, BN, STAGES, PINGPONG, CAP, DV, ILV, S
         // The paged twins: the host's table check (fc_check_seqlens, a programmatic dependent)
         // may be scheduled now; it reads the tables on an SM this grid has left and waits for the
         // grid before writing, so it no longer adds its launch after the kernel.
-        if (Tr::ILV) pdl_launch_dependents();
+        if (Tr::ILV) fc::pdl_launch_dependents<true>();
         if (wg == 0) {
             Producer<Tr>::run(p, sm, sched, tmq, tmk, tmv, tid);
             return;

@@ -1,17 +1,17 @@
-// flashcore sm_90a device library: thin inline-PTX wrappers for wgmma descriptors and ordering,
-// TMA tensor loads completing on mbarriers, mbarrier wait/arrive, named barriers, setmaxnreg, and
-// a {stage, phase} pipeline state. Build with -gencode arch=compute_90a,code=sm_90a only.
+// flashcore sm_90a device library: thin inline-PTX wrappers for what only the sm90 kernels use:
+// wgmma descriptors and ordering, TMA tensor loads completing on mbarriers, mbarrier wait/arrive,
+// clusters and distributed shared memory, named barriers, setmaxnreg, and a {stage, phase}
+// pipeline state. The PTX every family shares (SFU exp2 / log2, shared addresses, programmatic
+// dependent launch, the dtype traits) is common/ptx.cuh's. Build with -gencode
+// arch=compute_90a,code=sm_90a only.
 #pragma once
 #include <stdint.h>
 #include <cuda.h>
 #include "wgmma_gen.cuh"
+#include "../common/ptx.cuh"
 #include "../common/smem.cuh"
 
 namespace fc90 {
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // ---- wgmma shared-memory matrix descriptors (128-byte swizzle) -------------------------------
 // bits 0-13 start>>4, 16-29 LBO>>4, 32-45 SBO>>4, 49-51 base offset (0: buffers are 1024-B aligned),
@@ -111,13 +111,6 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, float4 v) {
                  : "memory");
 }
 
-// Programmatic dependent launch: the next kernel on the stream launched with the PDL attribute
-// may be scheduled once every CTA of this grid has run this (it waits in griddepcontrol.wait for
-// this grid's completion before using its results).
-__device__ __forceinline__ void pdl_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
 // ---- TMA --------------------------------------------------------------------------------------
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* m) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(m)) : "memory");
@@ -169,18 +162,6 @@ template <int N>
 __device__ __forceinline__ void reg_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
 __device__ __forceinline__ void reg_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ float lg2(float x) {
-    float y;
-    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // ---- pipeline ring state ------------------------------------------------------------------------
 // Consumers wait full[stage] with parity `phase`; producers wait empty[stage] with parity phase ^ 1

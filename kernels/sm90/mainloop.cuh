@@ -52,7 +52,7 @@ struct Mainloop {
     const int c;
     const int t128, warp, lane, g, tq;
     const float sl2;  // the kept scores' unit in exp2 terms (scale, or softcap for CAP)
-    const float pre;  // softcap: S -> tanh(S * pre)
+    const fc::Softcap cap;  // softcap (CAP, p.softcap > 0): S -> tanh(S * scale / softcap)
     const uint64_t dq, dk, dv;  // wgmma descriptors of this warpgroup's Q slice, K and V stage 0
     PipeState<STAGES> ks, vs;  // the K and V rings' positions
 
@@ -69,10 +69,10 @@ struct Mainloop {
     TileSlot<Tr> tile;
     int m_block, row0, qb, lo, hi, NT;
     uint32_t q_phase;  // the Q buffer's parity
-    // CAUSAL_SHORT: key tiles n >= n_mask need the mask. WINDOW with a left bound (`left`): tiles
-    // starting left of key_left hold keys some row does not see.
+    // The mask's thresholds (fc::mask_thresholds, begin_tile): CAUSAL_SHORT: key tiles n >= n_mask
+    // need the mask; WINDOW: tiles starting left of key_left hold keys some row does not see
+    // (INT_MIN without a left bound, and always without a window).
     int n_mask, key_left;
-    bool left;
 
     __device__ __forceinline__ Mainloop(const FcParams& p_, const FwdSmem<Tr>& sm_, const Sched& sched_, int wg, int tid,
                                         Accum<Tr>& acc)
@@ -86,7 +86,7 @@ struct Mainloop {
           g(lane >> 2),
           tq(lane & 3),
           sl2(CAP ? fc::score_unit_log2(p_.scale_log2, p_.softcap) : p_.scale_log2),
-          pre(CAP && p_.softcap > 0.f ? __fdividef(p_.scale, p_.softcap) : 0.f),
+          cap(p_.scale, p_.softcap),
           dq(desc_sw128(sm_.sQ + c * 8192, 16, 1024)),
           dk(desc_sw128(sm_.sK, 16, KV_RG)),
           dv(desc_sw128(sm_.sV, KV_CB, KV_RG)),
@@ -100,6 +100,8 @@ struct Mainloop {
 
     __device__ __forceinline__ int sq_of() const { return tile.sq(); }
     __device__ __forceinline__ int sk_of() const { return tile.sk(); }
+    // sq where the mask reads it (the diagonal): a shared load, so not where it is not needed.
+    __device__ __forceinline__ int sq_mask() const { return CAUSAL ? sq_of() : 0; }
 
     // Raw score of query row `qr` (of the Q tile) and key row `kr` (of a K stage) from the
     // 128B-swizzled tiles in shared memory, f32 accumulation (fix_tile's rare path).
@@ -110,44 +112,50 @@ struct Mainloop {
 #pragma unroll 1
         for (int w = 0; w < DV / 2; ++w) {  // 32-bit words: 2 elements
             const uint32_t blk = (w >> 5), off = (((w & 31) >> 2) << 4) | ((w & 3) << 2);
-            const float2 x = TypeInfo<T>::unpack(fc::ld_shared_b32(qa + blk * BM * 128 + (off ^ qs)));
-            const float2 y = TypeInfo<T>::unpack(fc::ld_shared_b32(ka + blk * KV_CB + (off ^ ks)));
+            const float2 x = fc::Elem<T>::unpack(fc::ld_shared_b32(qa + blk * BM * 128 + (off ^ qs)));
+            const float2 y = fc::Elem<T>::unpack(fc::ld_shared_b32(ka + blk * KV_CB + (off ^ ks)));
             acc = fmaf(x.x, y.x, acc);
             acc = fmaf(x.y, y.y, acc);
         }
         return acc;
     }
 
-    // ---- mask ----
+    // ---- mask (common/mask.cuh) ----
     // Key tile n needs masking (it is the ragged last one or crosses the causal diagonal, or a
     // left window bound cuts it); tiles are walked from the last down, so the masked ones come
-    // first.
+    // first. fc::mask_thresholds from begin_tile (CAUSAL_SHORT, a left bound); the other kernels
+    // (no mask, d256 causal) test fc::tile_needs_mask's right-edge terms per tile, written out
+    // with a short circuit: each operand re-reads sq / sk from the tile slot (shared loads), and
+    // through the helper's value parameters those loads moved ahead of the tile arithmetic and
+    // lost the short circuit (the no-mask key loop +16 instructions, d256 causal -8).
     __device__ __forceinline__ bool need_mask(int n) const {
-        if (left && n * BN < key_left) return true;
+        if (n * BN < key_left) return true;
         if (CAUSAL_SHORT) return n >= n_mask;
-        return (n * BN + BN > sk_of()) ||
-               (CAUSAL && n * BN + BN - 1 > m_block * BM + sk_of() - sq_of() + Sched::roff(p));
+        static_assert(!WINDOW || CAUSAL_SHORT, "a window's right bound is tested through the thresholds");
+        return (n * BN + BN > sk_of()) || (CAUSAL && n * BN + BN - 1 > m_block * BM + sk_of() - sq_of());
     }
     template <int NE>
     __device__ __forceinline__ void apply_mask(int n) {
         if (need_mask(n)) {
-            // Keys col < lim[r] are visible to row r (col < sk and, causal, col <= row + sk - sq):
-            // one compare against a constant column offset and one select per element (the
-            // per-element column/row arithmetic cost 3-4 instructions: +1.2-1.4 % at d64
-            // causal 512 / 1k, H100; docs/decisions.md#mask-threshold).
+            // fc::mask_score on each element against its row's band (fc::band_limits) in the
+            // thread's column offsets (keys - col0): one compare against a constant offset and
+            // one select per element (the per-element column/row arithmetic cost 3-4
+            // instructions: +1.2-1.4 % at d64 causal 512 / 1k, H100;
+            // docs/decisions.md#mask-threshold). No window: no left bound to test.
             const int col0 = n * BN + 2 * tq;
-            int lim[2], low[2];
+            int lo[2], hi[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                lim[r] = sk_of() - col0;
-                if (CAUSAL) lim[r] = min(lim[r], row0 + 8 * r + sk_of() - sq_of() + Sched::roff(p) + 1 - col0);
-                // WINDOW: keys col >= low[r] only (the row's left bound)
-                low[r] = left ? row0 + 8 * r + sk_of() - sq_of() - p.window_left - col0 : -0x7fffffff;
+                const int skv = sk_of();  // (sk's load before sq's, as measured)
+                fc::band_limits<MASK>(row0 + 8 * r, sq_mask(), skv, p.window_left, p.window_right, lo[r], hi[r], col0);
             }
 #pragma unroll
             for (int i = 0; i < NE; ++i) {
-                const int cc = 8 * (i >> 2) + (i & 1);
-                if (cc >= lim[(i >> 1) & 1] || (WINDOW && cc < low[(i >> 1) & 1])) s[i] = -INFINITY;
+                const int cc = 8 * (i >> 2) + (i & 1), r = (i >> 1) & 1;
+                if (WINDOW)
+                    fc::mask_score(s[i], cc, lo[r], hi[r]);
+                else
+                    fc::mask_score(s[i], cc, hi[r]);
             }
         }
     }
@@ -179,7 +187,7 @@ struct Mainloop {
             // threshold moves it. Needs a scale > 0 (the dispatcher refuses others).
             const bool first = m_r[r] == -INFINITY;
             const bool upd = first ? mx[r] != -INFINITY : mx[r] * sl2 - m_r[r] * sl2 > RESCALE_LOG2;
-            al[r] = upd && !first ? ex2(m_r[r] * sl2 - mx[r] * sl2) : 1.f;
+            al[r] = upd && !first ? fc::exp2_approx(m_r[r] * sl2 - mx[r] * sl2) : 1.f;
             if (upd) m_r[r] = mx[r];
         }
     }
@@ -194,7 +202,7 @@ struct Mainloop {
 #pragma unroll
         for (int i = i0; i < i1; ++i) {
             const int r = (i >> 1) & 1;
-            s[i] = ex2(fmaf(s[i], sl2, -mu[r]));
+            s[i] = fc::exp2_approx(fmaf(s[i], sl2, -mu[r]));
             ps[r][CAUSAL_SHORT ? (i & 1) : 0] += s[i];
         }
     }
@@ -227,17 +235,17 @@ struct Mainloop {
     }
 
     // ---- score modifiers (the CAP twins; runtime: softcap, ALiBi) ----
-    // Element i of key tile n.
-    __device__ __forceinline__ float alibi(float v, int n, int i) const {
+    // fc::Softcap, then fc::Alibi (common/variants.cuh) on element i of key tile n: key
+    // n * BN + 8 * (i >> 2) + 2 * tq + (i & 1) of row row0 + 8 * ((i >> 1) & 1).
+    __device__ __forceinline__ fc::Alibi alibi_of() const {
         int h, bi;
         tile.head_batch(h, bi);
-        const int col = n * BN + 8 * (i >> 2) + 2 * tq + (i & 1);
-        const int diag = row0 + 8 * ((i >> 1) & 1) + sk_of() - sq_of();
-        return fc::alibi_apply(v, fc::alibi_slope_units(p, bi, h), abs(col - diag), fc::alibi_floor(p));
+        return fc::Alibi(fc::alibi_slope_units(p, bi, h), fc::alibi_floor(p));
     }
     __device__ __forceinline__ float mod_score(float v, int n, int i) const {
-        if (p.softcap > 0.f) v = fc::softcap_tanh(v * pre);
-        if (p.alibi_slopes != nullptr) v = alibi(v, n, i);
+        if (p.softcap > 0.f) v = cap(v);
+        if (p.alibi_slopes != nullptr)
+            v = alibi_of()(v, n * BN + 8 * (i >> 2) + 2 * tq + (i & 1), row0 + 8 * ((i >> 1) & 1) + sk_of() - sq_of());
         return v;
     }
     // The whole S tile of key tile n.
@@ -245,17 +253,14 @@ struct Mainloop {
         if (CAP) {
             if (p.softcap > 0.f) {
 #pragma unroll
-                for (int i = 0; i < BN / 2; ++i) s[i] = fc::softcap_tanh(s[i] * pre);
+                for (int i = 0; i < BN / 2; ++i) s[i] = cap(s[i]);
             }
             if (p.alibi_slopes != nullptr) {
-                int h, bi;
-                tile.head_batch(h, bi);
-                const float sl = fc::alibi_slope_units(p, bi, h);
-                const float lo_ = fc::alibi_floor(p);
+                const fc::Alibi alibi = alibi_of();
                 const int col0 = n * BN + 2 * tq, dg = row0 + sk_of() - sq_of();
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i)
-                    s[i] = fc::alibi_apply(s[i], sl, abs(col0 + 8 * (i >> 2) + (i & 1) - dg - 8 * ((i >> 1) & 1)), lo_);
+                    s[i] = alibi(s[i], col0 + 8 * (i >> 2) + (i & 1), dg + 8 * ((i >> 1) & 1));
             }
         }
     }
@@ -267,7 +272,7 @@ struct Mainloop {
         const float isl2 = 1.f / sl2;
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i)
-            if (s[i] != INFINITY) s[i] = (lg2(s[i]) + mu[(i >> 1) & 1]) * isl2;
+            if (s[i] != INFINITY) s[i] = (fc::log2_approx(s[i]) + mu[(i >> 1) & 1]) * isl2;
         uint64_t big = 0;
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i)
@@ -288,7 +293,7 @@ struct Mainloop {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) pa[kk][j] = TypeInfo<T>::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+            for (int j = 0; j < 4; ++j) pa[kk][j] = fc::Elem<T>::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
     }
     // The P V in flight is complete: O and P are this warpgroup's again; `release` frees its V
     // stage.
@@ -368,10 +373,14 @@ struct Mainloop {
     __device__ __forceinline__ void sched_arrive(bool last) const {
         if (PINGPONG && !(last && c == NC - 1)) named_arrive(BAR_SCHED + (c + 1) % NC, 256);
     }
-    // Causal: the keys this warpgroup's rows can see end here (its last row's diagonal + 1),
-    // re-read from the tile slot as everywhere in the consumer (SKIP1 and HALF).
+    // Causal: the keys this warpgroup's rows can see end here (its last row's band,
+    // fc::band_limits), sq and sk re-read from the tile slot as everywhere in the consumer (SKIP1
+    // and HALF).
     __device__ __forceinline__ int wg_key_end() const {
-        return m_block * BM + c * 64 + 64 + sk_of() - sq_of() + Sched::roff(p);
+        const int skv = sk_of();
+        int lo_, hi_;
+        fc::band_limits<MASK>(m_block * BM + c * 64 + 63, sq_of(), skv, p.window_left, p.window_right, lo_, hi_);
+        return hi_;
     }
 
     // ---- one query tile ----
@@ -396,9 +405,13 @@ struct Mainloop {
         // is <= 0 when every tile does). Computed once per tile: re-reading sq and sk from the
         // slot in every key tile put two shared loads and a uniform chain before each softmax
         // (docs/decisions.md#mask-threshold).
-        n_mask = CAUSAL_SHORT ? min(sk_of() / BN, (m_block * BM + sk_of() - sq_of() + Sched::roff(p) + 1) / BN) : 0;
-        left = WINDOW && p.window_left >= 0;
-        key_left = left ? m_block * BM + BM - 1 + sk_of() - sq_of() - p.window_left : 0;
+        n_mask = 0;
+        key_left = -0x7fffffff - 1;
+        if (CAUSAL_SHORT || WINDOW) {
+            const int skv = sk_of();
+            fc::mask_thresholds<MASK, BN>(m_block * BM, m_block * BM + BM - 1, sq_of(), skv, p.window_left,
+                                          p.window_right, n_mask, key_left);
+        }
         return discard;
     }
     // SKIP1 (causal tiles without SPV: d64 192x128, d256): the warpgroup's first key tile is

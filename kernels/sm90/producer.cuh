@@ -30,7 +30,7 @@ struct Producer {
         // Key tile n of K or V into `dst`. Paged pools (p.page_table; page size 2^page_shift >=
         // 16; the host maps the pools as (d, page_size, hkv, pages) with boxes of min(page_size,
         // the largest power of two dividing BN) rows): lane j loads box j of the tile, inside one
-        // page, its id read by that lane and clamped into the pool (as fc::page_of). A box past
+        // page, its id read by that lane through fc::page_id (clamped into the pool). A box past
         // the sequence's last key (k0 holds the key count here) reloads the box holding it, as the
         // barrier expects the whole tile: those keys are masked and the consumers zero their V
         // rows. The paged twin (ILV; always paged) loads box j's rows over every column block
@@ -42,9 +42,7 @@ struct Producer {
                 const int r = lane * pb;
                 if (r < BN) {
                     const int key = min(n * BN + r, (k0 - 1) & -pb);
-                    const int page = fc::clamp_i(
-                        __ldg(p.page_table + (int64_t)bi * p.page_table_stride + (key >> sh)), 0,
-                        (p.total_k >> sh) - 1);
+                    const int page = fc::page_id(p, bi, key >> sh, [&p, sh] { return (p.total_k >> sh) - 1; });
                     if (ILV) {
                         tma_load_5d(dst + r * DB * 128, tm, bar, 0, 0, 0, hk,
                                     (page << (sh - 3)) + ((key & ((1 << sh) - 1)) >> 3), kEvictLast);

@@ -99,22 +99,23 @@ struct TileScheduler {
     }
 
     // ---- the key tiles of a query tile ----
-    // How far right of the diagonal (key i + sk - sq for row i) the mask's right edge lies.
-    __device__ static __forceinline__ int roff(const FcParams& p) { return WINDOW ? p.window_right : 0; }
-    // The first key tile any row of query tile m_block sees: its first row's left bound's tile.
-    __device__ static __forceinline__ int n_first(const FcParams& p, int m_block, int sq, int sk) {
-        if (!WINDOW || p.window_left < 0) return 0;
-        const int first = m_block * BM + sk - sq - p.window_left;
-        return first <= 0 ? 0 : first / BN;
+    // The key tiles [n_min, n_max) some row of query tile m_block sees: fc::key_tile_range over
+    // its BM rows (MASK 2: a window, right bound p.window_right >= 0 by the host's rule). Empty
+    // when n_max <= 0 (rows that see no key); the callers need one bound each, and the other's
+    // arithmetic folds away.
+    __device__ static __forceinline__ void key_tiles(const FcParams& p, int m_block, int sq, int sk, int& n_min,
+                                                     int& n_max) {
+        fc::key_tile_range<MASK, BN>(m_block * BM, m_block * BM + BM - 1, sq, sk, p.window_left, p.window_right, n_min,
+                                     n_max);
     }
-    // One past the last key tile any row of query tile m_block sees.
+    __device__ static __forceinline__ int n_first(const FcParams& p, int m_block, int sq, int sk) {
+        int n_min, n_max;
+        key_tiles(p, m_block, sq, sk, n_min, n_max);
+        return n_min;
+    }
     __device__ static __forceinline__ int n_tiles(const FcParams& p, const fc::SeqRange& sr, int m_block) {
-        int n_max = (sr.sk + BN - 1) / BN;
-        if (CAUSAL) {
-            // keys < lim are visible to some row
-            const int lim = (m_block + 1) * BM + sr.sk - sr.sq + roff(p);
-            n_max = lim <= 0 ? 0 : min(n_max, (lim + BN - 1) / BN);
-        }
+        int n_min, n_max;
+        key_tiles(p, m_block, sr.sq, sr.sk, n_min, n_max);
         return n_max;
     }
     // Key tiles [lo, hi) of this rank out of the tile's [n_min, n_max), n_min < n_max (all of

@@ -23,30 +23,8 @@ __host__ __device__ __forceinline__ constexpr uint32_t fwd_smem_bytes(int bm, in
     return (uint32_t)((qs * bm + 2 * stages * bn + (fwd_sep_o(bm, bn, d, stages, qs) ? bm : 0)) * d * 2) + 1024u + 256u;
 }
 
-template <typename T> struct TypeInfo;
-template <> struct TypeInfo<__nv_bfloat16> {
-    static constexpr bool bf16 = true;
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-    static __device__ __forceinline__ float2 unpack(uint32_t v) {
-        return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
-    }
-};
-template <> struct TypeInfo<__half> {
-    static constexpr bool bf16 = false;
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-    static __device__ __forceinline__ float2 unpack(uint32_t v) {
-        return __half22float2(*reinterpret_cast<__half2*>(&v));
-    }
-};
-
 // CAP: softcap (p.softcap > 0; the `_cap` twins, FC_SM90_FWD_CAP): each S tile
-// becomes t = tanh(S * scale / softcap) right after its Q K^T (fc::softcap_tanh, before the mask),
+// becomes t = tanh(S * scale / softcap) right after its Q K^T (fc::Softcap, before the mask),
 // and the kept scores' unit is softcap instead of scale (exp2 factor, LSE).
 // DV: the head dim the kernel computes (D: the full kernel). A narrow twin (DV < D, the variant
 // table's `narrow`) keeps the D-wide shared-memory tiles of its kernel but loads, multiplies and
@@ -83,9 +61,9 @@ struct FwdTraits {
     static_assert(BN % 16 == 0 && BN <= 256, "BLOCK_N multiple of 16");
     static_assert(MASK >= 0 && MASK <= 2, "sm90 path: mask none, causal or window");
     // MASK 2, a window with a right bound (p.window_right >= 0, the host's rule): the causal
-    // machinery runs on the diagonal shifted right by window_right (TileScheduler::roff), and a
-    // left bound (p.window_left >= 0) starts each query tile's key walk at its first row's first
-    // key tile (TileScheduler::n_first) and masks the tiles a row's bound cuts
+    // machinery runs on the window's right edge (common/mask.cuh's band of a row), and a left
+    // bound (p.window_left >= 0) starts each query tile's key walk at its first row's first key
+    // tile (TileScheduler::n_first) and masks the tiles a row's bound cuts
     // (docs/decisions.md#sm90-windows).
     static constexpr bool CAUSAL = MASK >= 1;
     static constexpr bool WINDOW = MASK == 2;
@@ -137,7 +115,7 @@ struct FwdTraits {
     static constexpr uint32_t X_BYTES = (DV / 8 + 1) * 128 * 16;
     static_assert(!SPLIT || (NC == 2 && SEP_O && !ILV && NC * X_BYTES <= 2 * STAGES * KV_BYTES),
                   "key-split twin: two consumer warpgroups, an O buffer, the exchange inside the K/V ring");
-    static constexpr bool BF = TypeInfo<T>::bf16;
+    static constexpr bool BF = fc::Elem<T>::bf16;
     // Lazy rescale: a row keeps its reference max m until the true max exceeds it by more than
     // RESCALE_LOG2 in exp2 units (P <= 2^8 = 256 then: exact in f32, the same relative rounding in
     // bf16/fp16, and O, l and the LSE all use the same reference). O is rescaled only when some
