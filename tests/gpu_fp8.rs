@@ -138,6 +138,48 @@ fn paged_case(
     paged_case_q(dev, pl, q, None, s, p, dtype, tag)
 }
 
+/// How far rounding K to q's dtype can move a score, where the call takes the slow path (more
+/// than 16 query rows a sequence, or a head dim that is not a multiple of 16: K/V widened to
+/// q's dtype first, `stored · scale` rounded once) and 0 where a decode kernel folds the scales
+/// in exactly: each score moves by at most u · softmax scale · |q| · |k| (Cauchy-Schwarz, u the
+/// dtype's unit roundoff), and a log-sum-exp by at most the largest move of its terms.
+fn widened_score_err(
+    q: &Tensor,
+    pl: &Pools,
+    s: &KvScales,
+    p: &AttnParams,
+    max_q: Option<usize>,
+    dtype: DType,
+) -> Result<f64> {
+    let d = q.dim(q.rank() - 1)?;
+    let rows = max_q.unwrap_or(if q.rank() == 4 { q.dim(1)? } else { 1 });
+    if rows <= 16 && d.is_multiple_of(16) {
+        return Ok(0.0);
+    }
+    let u = if dtype == DType::BF16 {
+        2f64.powi(-9)
+    } else {
+        2f64.powi(-11)
+    };
+    let max_norm = |t: &Tensor| -> Result<f64> {
+        let n = t
+            .to_dtype(DType::F32)?
+            .sqr()?
+            .sum_keepdim(t.rank() - 1)?
+            .sqrt()?;
+        Ok(n.flatten_all()?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .filter(|x| x.is_finite())
+            .fold(0f32, f32::max) as f64)
+    };
+    let ks = s.k.abs()?.max(0)?.to_scalar::<f32>()? as f64;
+    let scale = p
+        .softmax_scale
+        .map_or(1.0 / (pl.k.dim(3)? as f64).sqrt(), |x| x as f64);
+    Ok(u * scale * max_norm(&q.to_dtype(dtype)?)? * max_norm(&pl.k)? * ks)
+}
+
 /// `attention_paged_with_lse`, or with `packed` q `attention_paged_varlen_with_lse`.
 #[allow(clippy::too_many_arguments)]
 fn paged_call(
@@ -208,7 +250,8 @@ fn paged_case_q(
         "{tag}: max error {err:.3e} > {bound:.3e} (outputs up to {mag:.3})"
     );
     let le = lse_err(&lse, &want_lse)?;
-    assert!(le <= 2e-3, "{tag}: LSE error {le:.3e}");
+    let lse_tol = 2e-3 + widened_score_err(q, pl, s, p, packed.map(|(_, m)| m), dtype)?;
+    assert!(le <= lse_tol, "{tag}: LSE error {le:.3e} > {lse_tol:.3e}");
     if mag > 1e-3 {
         let wrong = KvScales {
             k: s.k.clone(),

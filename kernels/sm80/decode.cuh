@@ -1053,46 +1053,50 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             fc::cp_async_commit<false>();
         }
         cp_async_wait<S - 1>();  // tile t landed (tiles t+1 .. t+S-1 may be pending)
-        const int slot = it % S;
         // tile t is visible to all warps; F8: and whether any thread's copies hold a NaN byte
         // (the tile's steps then widen with NaN kept: `e4m3_pair`)
         bool tile_nan = false;
         if constexpr (F8) {
-            tile_nan = __syncthreads_or(kv.copied_have_nan(slot));
+            tile_nan = __syncthreads_or(kv.copied_have_nan(it % S));
         } else {
             __syncthreads();
         }
+        const int slot = it % S;
         const uint32_t sK_u = F8 ? smem_addr(sKV) + slot * (2 * BN * D) : smem_addr(sKV + slot * (2 * BN * D));
         const uint32_t sV_u = sK_u + BN * D * KB;
         const bool need_mask = (t * BN < lo_all) || ((t + 1) * BN > hi_all);
 
-        // the tile's 16-key steps; KEEP_NAN: F8 widening that keeps NaN bytes NaN
-        auto steps = [&](auto nan_c) {
-            constexpr bool KEEP_NAN = decltype(nan_c)::value;
+        if constexpr (F8) {
+            // the tile's 16-key steps; KEEP_NAN: widening that keeps NaN bytes NaN
+            auto steps = [&](auto nan_c) {
+                constexpr bool KEEP_NAN = decltype(nan_c)::value;
+                for (int c = 0; c < kpw; c += 16) {
+                    const int key0 = wn * kpw + c;  // within tile
+                    float s[2][4];
+                    qk_step_f8<T, D, Q_IN_REGS, KEEP_NAN>(s, qf, reinterpret_cast<const unsigned char*>(sQ), q_row, t4,
+                                                          qsign, sK_u, key0 + k_row, k_chk);
+                    modify_scores<F8, BN>(s, p, t, key0, t4, r0, wm, g8, rows_total, sq, sk, bb, kvh);
+                    if (need_mask) mask_step(s, t * BN + key0 + 2 * t4, row_lo, row_hi);
+                    softmax_step<NT>(s, o, m_run, l_run, sl2);
+                    pv_step_f8<T, D, KEEP_NAN>(o, s, sV_u, key0 + v_row, v_chk);
+                }
+            };
+            if (tile_nan) {
+                steps(std::true_type{});
+            } else {
+                steps(std::false_type{});
+            }
+        } else {
             for (int c = 0; c < kpw; c += 16) {
                 const int key0 = wn * kpw + c;  // within tile
                 float s[2][4];
-                if constexpr (F8) {
-                    qk_step_f8<T, D, Q_IN_REGS, KEEP_NAN>(s, qf, reinterpret_cast<const unsigned char*>(sQ), q_row, t4, qsign,
-                                                     sK_u, key0 + k_row, k_chk);
-                } else {
-                    qk_step<T, D, Q_IN_REGS>(s, qf, sQ_u, a_row, a_chk, sK_u, key0 + k_row, k_chk);
-                }
+                qk_step<T, D, Q_IN_REGS>(s, qf, sQ_u, a_row, a_chk, sK_u, key0 + k_row, k_chk);
                 modify_scores<F8, BN>(s, p, t, key0, t4, r0, wm, g8, rows_total, sq, sk, bb, kvh);
                 if (need_mask) mask_step(s, t * BN + key0 + 2 * t4, row_lo, row_hi);
                 // online softmax (two rows per thread: h = 0 -> row g8, h = 1 -> row g8 + 8)
                 softmax_step<NT>(s, o, m_run, l_run, sl2);
-                if constexpr (F8) {
-                    pv_step_f8<T, D, KEEP_NAN>(o, s, sV_u, key0 + v_row, v_chk);
-                } else {
-                    pv_step<T, D>(o, s, sV_u, key0 + v_row, v_chk);
-                }
+                pv_step<T, D>(o, s, sV_u, key0 + v_row, v_chk);
             }
-        };
-        if (F8 && tile_nan) {
-            steps(std::true_type{});
-        } else {
-            steps(std::false_type{});
         }
     }
 
