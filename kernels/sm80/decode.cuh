@@ -355,6 +355,21 @@ __device__ __forceinline__ void q_frag_f8(uint32_t (&a)[4], const unsigned char*
     a[1] = sg(__byte_perm(hi.x, hi.y, 0x7632)); a[3] = sg(__byte_perm(hi.x, hi.y, 0x5410));
 }
 
+// Q's A fragments held in registers for the whole key loop (Q_IN_REGS): through ldmatrix, or
+// with e4m3 K/V in the head-dim order of `q_frag_f8`.
+template <int D, bool F8, int QK, typename T>
+__device__ __forceinline__ void load_q_frags(uint32_t (&qf)[QK][4], const T* sQ, uint32_t sQ_u, int a_row, int a_chk,
+                                             int q_row, int t4, const QSign& qsign) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        if constexpr (F8) {
+            q_frag_f8<D>(qf[kk], reinterpret_cast<const unsigned char*>(sQ), q_row, t4, kk, qsign);
+        } else {
+            fc::ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], sQ_u + 2 * swz_elems<D>(a_row, 2 * kk + a_chk));
+        }
+    }
+}
+
 // F8: S = Q K^T for one 16-key step, K widened in registers. ldmatrix on the byte tile hands
 // each thread 4 consecutive bytes (head-dim columns 4 t4 .. 4 t4 + 3 of a 16-column block) of
 // key row g8, which are its B fragment for the k order {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9} <->
@@ -657,6 +672,35 @@ struct KvTileLoader {
         const int slot = t * BN - j * p.page_size + row_first();
         ko = fc::paged_offset(page, slot, p.k_batch_stride, ksr);
         vo = fc::paged_offset(page, slot, p.v_batch_stride, vsr);
+    }
+    // The prologue: tiles t_begin .. t_begin + S - 2 (those before t_end) into slots 0 .. S - 2,
+    // one commit group each (F8: not unrolled; its tile loads unrolled spilled d128 on sm_80).
+    template <int S>
+    __device__ __forceinline__ void prologue(int t_begin, int t_end) {
+        if constexpr (F8) {
+#pragma unroll 1
+            for (int s = 0; s < S - 1; ++s) {
+                if (t_begin + s < t_end) load(t_begin + s, s);
+                fc::cp_async_commit<false>();
+            }
+        } else {
+#pragma unroll
+            for (int s = 0; s < S - 1; ++s) {
+                if (t_begin + s < t_end) load(t_begin + s, s);
+                fc::cp_async_commit<false>();
+            }
+        }
+    }
+    // Once this thread's copies of ring slot `slot` are waited for: the barrier after which the
+    // tile is visible to every warp; F8: it also tells whether any thread's copies hold a NaN
+    // byte (the tile's steps then widen with NaN kept: `e4m3_pair`).
+    __device__ __forceinline__ bool tile_barrier(int slot) const {
+        if constexpr (F8) {
+            return __syncthreads_or(copied_have_nan(slot));
+        } else {
+            __syncthreads();
+            return false;
+        }
     }
     // F8: whether the chunks this thread copied into ring slot `slot` (visible to it once its
     // copies are waited for) hold an e4m3 NaN byte; the rows as the load path that wrote them
@@ -992,21 +1036,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     // length, so its lookup goes out beside the seqused_k read instead of after it (at b1, with
     // the tables in DRAM, one dependent DRAM round trip less in front of the first copy).
     if (paged && !kv.whole_pages && fixed_splits && t_first < (p.sk + BN - 1) / BN) kv.prefetch_rows(t_first);
-    // ---- prologue (F8 rings are deeper: their copies of the tile loads unrolled spilled d128
-    // on sm_80)
-    if constexpr (F8) {
-#pragma unroll 1
-        for (int s = 0; s < S - 1; ++s) {
-            if (t_begin + s < t_end) kv.load(t_begin + s, s);
-            fc::cp_async_commit<false>();
-        }
-    } else {
-#pragma unroll
-        for (int s = 0; s < S - 1; ++s) {
-            if (t_begin + s < t_end) kv.load(t_begin + s, s);
-            fc::cp_async_commit<false>();
-        }
-    }
+    kv.template prologue<S>(t_begin, t_end);
     cp_async_wait<S - 1>();  // Q group landed
     __syncthreads();
 
@@ -1022,16 +1052,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     const int q_row = wm * 16 + g8;  // F8: Q rows of q_frag_f8
     const QSign qsign(k_scale<F8>(p, kvh));
     uint32_t qf[Q_IN_REGS ? KT : 1][4];
-    if constexpr (Q_IN_REGS) {
-#pragma unroll
-        for (int kk = 0; kk < KT; ++kk) {
-            if constexpr (F8) {
-                q_frag_f8<D>(qf[kk], reinterpret_cast<const unsigned char*>(sQ), q_row, t4, kk, qsign);
-            } else {
-                fc::ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], sQ_u + 2 * swz_elems<D>(a_row, 2 * kk + a_chk));
-            }
-        }
-    }
+    if constexpr (Q_IN_REGS) load_q_frags<D, F8>(qf, sQ, sQ_u, a_row, a_chk, q_row, t4, qsign);
 
     float o[NT][4];
 #pragma unroll
@@ -1053,14 +1074,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
             fc::cp_async_commit<false>();
         }
         cp_async_wait<S - 1>();  // tile t landed (tiles t+1 .. t+S-1 may be pending)
-        // tile t is visible to all warps; F8: and whether any thread's copies hold a NaN byte
-        // (the tile's steps then widen with NaN kept: `e4m3_pair`)
-        bool tile_nan = false;
-        if constexpr (F8) {
-            tile_nan = __syncthreads_or(kv.copied_have_nan(it % S));
-        } else {
-            __syncthreads();
-        }
+        const bool tile_nan = kv.tile_barrier(it % S);  // tile t is visible to all warps
         const int slot = it % S;
         const uint32_t sK_u = F8 ? smem_addr(sKV) + slot * (2 * BN * D) : smem_addr(sKV + slot * (2 * BN * D));
         const uint32_t sV_u = sK_u + BN * D * KB;
