@@ -606,16 +606,8 @@ pub(crate) fn run_paged(
     if q.device().is_cpu() {
         return cpu_paged(q, kv, packed_q, &problem, params, want_lse);
     }
-    let (total_q, _) = problem.totals();
-    if total_q == 0 {
-        return empty_answer(
-            q,
-            kv.k_pages,
-            kv.v_pages,
-            &problem,
-            params.sinks.as_ref(),
-            want_lse,
-        );
+    if let Some(answer) = paged_without_rows(q, kv, &problem, params, want_lse) {
+        return answer;
     }
     if problem.chunk.is_some() {
         return crate::chunk::paged(q, kv, packed_q, &problem, params, want_lse);
@@ -630,6 +622,27 @@ pub(crate) fn run_paged(
         kv_scales: kv_scales.cloned(),
     };
     apply(q, kv.k_pages, kv.v_pages, problem, extra, want_lse)
+}
+
+/// The answer of a paged problem without query rows (no kernel runs), or `None` when it has some.
+fn paged_without_rows(
+    q: &Tensor,
+    kv: &PagedKv,
+    problem: &Problem,
+    params: &AttnParams,
+    want_lse: bool,
+) -> Option<Result<(Tensor, Option<Tensor>)>> {
+    let (total_q, _) = problem.totals();
+    (total_q == 0).then(|| {
+        empty_answer(
+            q,
+            kv.k_pages,
+            kv.v_pages,
+            problem,
+            params.sinks.as_ref(),
+            want_lse,
+        )
+    })
 }
 
 /// The last dimension of `t` (its head dim), 0 for a scalar.
@@ -669,16 +682,8 @@ fn paged_fp8_widened(
     if problem.chunk.is_some() {
         return crate::chunk::paged(q, kv, packed_q, &problem, params, want_lse);
     }
-    let (total_q, _) = problem.totals();
-    if total_q == 0 {
-        return empty_answer(
-            q,
-            kv.k_pages,
-            kv.v_pages,
-            &problem,
-            params.sinks.as_ref(),
-            want_lse,
-        );
+    if let Some(answer) = paged_without_rows(q, kv, &problem, params, want_lse) {
+        return answer;
     }
     #[cfg(feature = "cuda")]
     {

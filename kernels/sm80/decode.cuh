@@ -324,15 +324,22 @@ __device__ __forceinline__ void modify_scores(float (&s)[2][4], const FcParams& 
     }
 }
 
+// P of one 16-key step as the A fragment of P V: the S accumulators (C layout == A layout)
+// rounded to T in pairs.
+template <typename T>
+__device__ __forceinline__ void p_frag(const float (&s)[2][4], uint32_t (&pa)[4]) {
+    pa[0] = fc::Elem<T>::pack(s[0][0], s[0][1]);
+    pa[1] = fc::Elem<T>::pack(s[0][2], s[0][3]);
+    pa[2] = fc::Elem<T>::pack(s[1][0], s[1][1]);
+    pa[3] = fc::Elem<T>::pack(s[1][2], s[1][3]);
+}
+
 // O += P V for one 16-key step of split_kernel: P from the S accumulators (C layout == A
 // layout), V rows from v_row of the tile at sV_u (chunk + v_chk), transposed by ldmatrix.
 template <typename T, int D>
 __device__ __forceinline__ void pv_step(float (&o)[D / 8][4], const float (&s)[2][4], uint32_t sV_u, int v_row, int v_chk) {
     uint32_t pa[4];
-    pa[0] = fc::Elem<T>::pack(s[0][0], s[0][1]);
-    pa[1] = fc::Elem<T>::pack(s[0][2], s[0][3]);
-    pa[2] = fc::Elem<T>::pack(s[1][0], s[1][1]);
-    pa[3] = fc::Elem<T>::pack(s[1][2], s[1][3]);
+    p_frag<T>(s, pa);
 #pragma unroll
     for (int j2 = 0; j2 < D / 16; ++j2) {
         uint32_t b0, b1, b2, b3;
@@ -415,10 +422,7 @@ template <typename T, int D, bool KEEP_NAN>
 __device__ __forceinline__ void pv_step_f8(float (&o)[D / 8][4], const float (&s)[2][4], uint32_t sV_u, int v_row,
                                            int v_chk) {
     uint32_t pa[4];
-    pa[0] = fc::Elem<T>::pack(s[0][0], s[0][1]);
-    pa[1] = fc::Elem<T>::pack(s[0][2], s[0][3]);
-    pa[2] = fc::Elem<T>::pack(s[1][0], s[1][1]);
-    pa[3] = fc::Elem<T>::pack(s[1][2], s[1][3]);
+    p_frag<T>(s, pa);
 #pragma unroll
     for (int j2 = 0; j2 < D / 32; ++j2) {
         uint32_t r[4];  // (keys 0-7, block 2 j2), (keys 8-15, 2 j2), (keys 0-7, 2 j2 + 1), (keys 8-15, 2 j2 + 1)
