@@ -8,6 +8,8 @@
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_flash_attn as cfa;
 
+/// f32 agreement per element at head dim 64. Rounding in a score grows with the length of its
+/// dot product, so `check` scales this with the head dim past 64 (inputs are unseeded randn).
 const TOL: f64 = 2e-5;
 
 fn randn(shape: &[usize]) -> Result<Tensor> {
@@ -216,7 +218,9 @@ fn fa2_varlen(
 
 fn check(name: &str, got: &Tensor, want: &Tensor) -> Result<()> {
     let e = max_abs_diff(got, want)?;
-    assert!(e < TOL, "{name}: max |diff| {e:.3e} >= {TOL:.0e}");
+    let d = *got.dims().last().unwrap_or(&1);
+    let tol = TOL * (d as f64 / 64.0).max(1.0);
+    assert!(e < tol, "{name}: max |diff| {e:.3e} >= {tol:.1e} (d {d})");
     Ok(())
 }
 
