@@ -86,4 +86,6 @@ fc_params! {
     /// FP8 K/V (the `_e4m3` decode kernels): f32 scales of K and V, or 0.
     k_scales: u64,
     v_scales: u64,
+    /// Head dim of v and o (d_v); `d` is q's and k's.
+    dv: i32,
 }

@@ -78,6 +78,10 @@ struct FcParams {
     // scales, real value = stored value * scale of its K/V head (AttnParams::kv_scales).
     const float* k_scales;
     const float* v_scales;
+    // Head dim of v and o (d_v), <= the kernel's HEAD_DIM like d (which is q's and k's, d_qk): V
+    // columns dv..HEAD_DIM are zero-filled in shared memory and O stores dv columns. Kernels that
+    // take only d_v == d_qk are never launched with another (the planner, src/plan/).
+    int32_t dv;
 };
 
 // What a compiled kernel needs from its launch and what it can compute, stated by its

@@ -371,6 +371,7 @@ fn fc_params(p: &Problem, a: &Addrs, launch: Option<&Launch>, x: Extras) -> FcPa
         tile_counter: x.tile_counter,
         k_scales: a.k_scales,
         v_scales: a.v_scales,
+        dv: p.dv as i32,
     }
 }
 
