@@ -86,8 +86,16 @@ fn facts_asserts(v: &variants::Variant) -> String {
         ("width", "width()", v.width().to_string()),
         ("q_stages", "q_stages", v.q_stages.to_string()),
     ];
+    // the other families state no V width (their kernels take p.dv up to their head dim)
+    let v_width = [("v_width", "v_width()", v.v_width().to_string())];
+    let sm90 = if v.family == "sm90" {
+        &v_width[..]
+    } else {
+        &[]
+    };
     facts
         .iter()
+        .chain(sm90)
         .map(|(field, rust, value)| {
             format!(
                 "static_assert(fc_facts_{sym}.{field} == {value}, \"variant {sym}: kernels/variants.rs says {rust} = {value}, the kernel disagrees ({field})\");\n"
@@ -167,7 +175,7 @@ fn main() {
         }
         for v in &chosen {
             // sm90 forward macros take the Q buffers after the stages; a narrow twin's macro
-            // takes its width last
+            // takes its width last, a separate-V kernel's its V width
             let q_stages = if fam.name == "sm90" && v.kind == KKind::Fwd {
                 format!(", {}", v.q_stages)
             } else {
@@ -175,6 +183,8 @@ fn main() {
             };
             let width = if v.narrow > 0 {
                 format!(", {}", v.narrow)
+            } else if v.v_width > 0 {
+                format!(", {}", v.v_width)
             } else {
                 String::new()
             };

@@ -421,9 +421,6 @@ fn apply(
     extra: Extra,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    if !q.device().is_cpu() && problem.dv != problem.d {
-        return apply_padded(q, k, v, problem, extra, want_lse);
-    }
     let (q, k, v) = (&aligned(q)?, &aligned(k)?, &aligned(v)?);
     let problem = Problem {
         q_strides: strides_of(q),
@@ -431,6 +428,9 @@ fn apply(
         v_strides: strides_of(v),
         ..problem
     };
+    if problem.dv != problem.d && !runs_head_dims_apart(q.device(), &problem) {
+        return apply_padded(q, k, v, problem, extra, want_lse);
+    }
     let lse_shape = problem.lse_shape();
     let slot = LseSlot::default();
     let op = FlashAttn {
@@ -449,8 +449,24 @@ fn apply(
     Ok((o, lse))
 }
 
-/// A problem with `d_v != d_qk` on a GPU (whose kernels take one head dim for q, k and v): the
-/// narrower side is copied with zero columns up to `D = max(d_qk, d_v)` ([`Problem::padded`]),
+/// Whether `dev` runs a problem with `d_v != d_qk` on q, k and v as they are: the CPU path
+/// always; a CUDA device where its plan's kernel takes the two head dims
+/// (`plan::takes_head_dims_apart`); anything else pads.
+fn runs_head_dims_apart(dev: &candle_core::Device, p: &Problem) -> bool {
+    match dev {
+        candle_core::Device::Cpu => true,
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(d) => crate::cuda::runs_head_dims_apart(d, p),
+        #[allow(unreachable_patterns)]
+        _ => {
+            let _ = p;
+            false
+        }
+    }
+}
+
+/// A problem with `d_v != d_qk` on a GPU kernel that takes one head dim for q, k and v (all but
+/// the sm90 forward kernels, `runs_head_dims_apart`): the narrower side is copied with zero columns up to `D = max(d_qk, d_v)` ([`Problem::padded`]),
 /// the `D`-wide problem runs, and the output is narrowed back to its first `d_v` columns. Zero
 /// columns of q and k leave every `q . k` as it was, and the scale stays the one resolved from
 /// `d_qk`, so the scores, the softmax and the LSE are those of the unpadded problem; zero columns

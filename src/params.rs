@@ -146,9 +146,9 @@ pub(crate) struct Problem {
     pub hkv: usize,
     /// Head dim of q and k (`d_qk`).
     pub d: usize,
-    /// Head dim of v and of the output (`d_v`); equal to `d` on every GPU launch (a problem
-    /// with `d_v != d_qk` is zero-padded to one head dim first:
-    /// docs/decisions.md#separate-v-head-dim).
+    /// Head dim of v and of the output (`d_v`). GPU launches of `d_v != d_qk` run on kernels
+    /// that take both (the sm90 forward) or zero-padded to one head dim first
+    /// (docs/decisions.md#separate-v-head-dim).
     pub dv: usize,
     pub dtype: DType,
     /// The softmax scale as the kernels take it (f32).
@@ -201,8 +201,9 @@ impl Problem {
             Seqs::Varlen { total_q, .. } => (total_q, self.hq, self.dv).into(),
         }
     }
-    /// The same problem with q, k and v zero-padded to one head dim, `max(d_qk, d_v)`, as the
-    /// GPU runs a problem with `d_v != d_qk` (the scale stays the one resolved from `d_qk`).
+    /// The same problem with q, k and v zero-padded to one head dim, `max(d_qk, d_v)`, as a GPU
+    /// runs a problem with `d_v != d_qk` on kernels that take one head dim (the scale stays the
+    /// one resolved from `d_qk`).
     pub fn padded(&self) -> Problem {
         let d = self.d.max(self.dv);
         Problem {
@@ -378,7 +379,8 @@ fn check_common(
             ));
         }
     }
-    // A GPU runs d_v != d_qk zero-padded to max(d_qk, d_v): both must fit a kernel.
+    // A GPU runs d_v != d_qk on a kernel of max(d_qk, d_v) (zero-filled or zero-padded): both
+    // must fit one.
     for (name, x) in [("q", d), ("v", dv)] {
         if x > GPU_MAX_HEAD_DIM && !q.device().is_cpu() {
             return Err(bad(

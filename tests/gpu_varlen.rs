@@ -1661,13 +1661,13 @@ fn sinks_paged_on_the_gpu() -> Result<()> {
     Ok(())
 }
 
-/// A separate V head dim on the GPU (zero-padded to `max(d_qk, d_v)`, output narrowed back:
-/// docs/decisions.md#separate-v-head-dim): (192, 128) (DeepSeek prefill) and (64, 128), dense
-/// prefill and decode, packed batches (empty sequences, 1, 113), paged decode and prefill over
-/// K and V pools of two widths (shuffled pages, NaN in unused rows), masks, GQA, softcap, ALiBi
-/// and sinks rotating, both dtypes; outputs poisoned first, against the f64 reference / the CPU
-/// path. The dispatcher's description says it pads. Head dims past 256 are refused naming the
-/// argument.
+/// A separate V head dim on the GPU (docs/decisions.md#separate-v-head-dim): (192, 128)
+/// (DeepSeek prefill), (64, 128) and (128, 64), dense prefill and decode, packed batches (empty
+/// sequences, 1, 113), paged decode and prefill over K and V pools of two widths (shuffled pages,
+/// NaN in unused rows), masks, GQA, softcap, ALiBi and sinks rotating, both dtypes; outputs
+/// poisoned first, against the f64 reference / the CPU path. The dispatcher's description says
+/// which route pads (every kernel but the sm90 forward ones) and that plain (192, 128) prefill
+/// takes the separate-V kernel there. Head dims past 256 are refused naming the argument.
 #[test]
 fn v_head_dim_on_the_gpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -1687,7 +1687,8 @@ fn v_head_dim_on_the_gpu() -> Result<()> {
             p
         })
     };
-    for (d, dv) in [(192, 128), (64, 128)] {
+    let mut sepv_routes = 0;
+    for (d, dv) in [(192, 128), (64, 128), (128, 64)] {
         // Dense: prefill and decode shapes.
         for &(b, sq, sk, hq, hkv) in &[
             (1, 113, 113, 8, 2),
@@ -1709,10 +1710,14 @@ fn v_head_dim_on_the_gpu() -> Result<()> {
                 let v = r((b, sk, hkv, dv))?;
                 let p = with_sinks(options(&dev, n, MASKS[n % 4], b, hq)?, n, hq)?;
                 let route = flashcore::cuda::describe(cuda, &p, &q, &k, &v)?;
-                assert!(
-                    route.starts_with(&format!("padded to d={}, then ", d.max(dv))),
-                    "{route}"
-                );
+                // sm90 forward kernels read v and write o at d_v; the others pad
+                let padded = route.starts_with(&format!("padded to d={}, then ", d.max(dv)));
+                assert_eq!(padded, !route.contains("fc_sm90_fwd"), "{route}");
+                let plain = p.softcap.is_none() && p.alibi_slopes.is_none();
+                if route.contains("fc_sm90_fwd") && (d, dv) == (192, 128) && plain {
+                    assert!(route.ends_with("_v128"), "the separate-V kernel: {route}");
+                }
+                sepv_routes += route.ends_with("_v128") as usize;
                 let what = format!("dv dense {dtype:?} b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d}/{dv}");
                 check_dense(&what, &q, &k, &v, &p)?;
                 n += 1;
@@ -1773,6 +1778,18 @@ fn v_head_dim_on_the_gpu() -> Result<()> {
             "{e}"
         );
     }
-    println!("v_head_dim_on_the_gpu: {n} cases passed");
+    let sm90 = flashcore::cuda::describe(
+        cuda,
+        &AttnParams::default(),
+        &Tensor::zeros((1, 300, 2, 64), DType::BF16, &dev)?,
+        &Tensor::zeros((1, 300, 2, 64), DType::BF16, &dev)?,
+        &Tensor::zeros((1, 300, 2, 64), DType::BF16, &dev)?,
+    )?
+    .contains("fc_sm90_fwd");
+    assert!(
+        !sm90 || sepv_routes > 0,
+        "no case ran the separate-V kernel"
+    );
+    println!("v_head_dim_on_the_gpu: {n} cases passed ({sepv_routes} on the separate-V kernel)");
     Ok(())
 }

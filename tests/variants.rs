@@ -69,6 +69,8 @@ struct Ask {
     sk: usize,
     hq: usize,
     cap: bool,
+    /// v's head dim when it is not `d`
+    dv: Option<usize>,
 }
 
 impl Ask {
@@ -83,6 +85,13 @@ impl Ask {
             sk: sq,
             hq: 64,
             cap: false,
+            dv: None,
+        }
+    }
+    fn dv(self, dv: usize) -> Ask {
+        Ask {
+            dv: Some(dv),
+            ..self
         }
     }
     fn cap(self, cap: bool) -> Ask {
@@ -108,6 +117,9 @@ impl Ask {
         let row = Tensor::zeros((1, 1, 1, self.d), dt, &Host::Cpu)?;
         let q = row.broadcast_as((self.b, self.sq, self.hq, self.d))?;
         let kv = row.broadcast_as((self.b, self.sk, hkv, self.d))?;
+        let dv = self.dv.unwrap_or(self.d);
+        let v = Tensor::zeros((1, 1, 1, dv), dt, &Host::Cpu)?
+            .broadcast_as((self.b, self.sk, hkv, dv))?;
         let mask = match self.mask {
             KMask::None => Mask::None,
             KMask::Causal => Mask::Causal,
@@ -121,7 +133,7 @@ impl Ask {
             softcap: self.cap.then_some(30.0),
             ..AttnParams::default()
         };
-        Ok(plan_dense(&q, &kv, &kv, &params, dev, opts)?.variant)
+        Ok(plan_dense(&q, &kv, &v, &params, dev, opts)?.variant)
     }
     fn take(&self, dev: &Device, opts: &Options) -> &'static Variant {
         self.on(dev, opts).unwrap_or_else(|e| {
@@ -723,4 +735,45 @@ fn fp8_decode_twins() {
     assert!(VARIANTS
         .iter()
         .all(|v| v.kv == KvType::Same || v.kind == KKind::Decode));
+}
+
+/// DeepSeek prefill (d_qk 192, d_v 128) takes the separate-V kernels on sm_90 (`v_width`: a V
+/// ring 128 wide and 128-key tiles), as do head dims that round up to the same 64-column blocks;
+/// other pairs take the kernel of the larger head dim, and the sm80 targets the padded problem's.
+#[test]
+fn separate_v_kernels_take_deepseek_prefill() {
+    for dtype in [KDType::Bf16, KDType::F16] {
+        for mask in [KMask::None, KMask::Causal] {
+            for (d, dv) in [(192, 128), (136, 72)] {
+                for sq in [113, 4096] {
+                    let v = Ask::new(dtype, d, mask, sq)
+                        .dv(dv)
+                        .take(&H100, &Options::default());
+                    assert_eq!(
+                        (v.head_dim, v.v_width, v.block_n),
+                        (192, 128, 128),
+                        "{}",
+                        v.symbol()
+                    );
+                    assert!(v.symbol().ends_with("_128x128_v128"), "{}", v.symbol());
+                    assert!(v.smem_bytes() <= SMEM_SM90);
+                }
+            }
+            for (d, dv, kernel) in [
+                (192, 64, 256),
+                (128, 64, 128),
+                (64, 128, 128),
+                (128, 192, 256),
+            ] {
+                let v = Ask::new(dtype, d, mask, 4096)
+                    .dv(dv as usize)
+                    .take(&H100, &Options::default());
+                assert_eq!((v.head_dim, v.v_width), (kernel, 0), "{}", v.symbol());
+            }
+            for (dev, opts) in sm80_targets() {
+                let v = Ask::new(dtype, 192, mask, 4096).dv(128).take(&dev, &opts);
+                assert_eq!((v.family, v.head_dim), ("sm80", 256), "{}", v.symbol());
+            }
+        }
+    }
 }

@@ -97,4 +97,6 @@ struct FcKernelFacts {
     bool kv_split;        // a key-split twin, launched in clusters (`kv_split`)
     int width;            // head-dim columns computed: HEAD_DIM, or a narrow twin's (`width`)
     int q_stages;         // Q buffers (`q_stages`)
+    int v_width;          // sm90 forward: V / O columns computed, `width` but for a separate-V
+                          // kernel (`v_width()`); 0 (not asserted) in the other families
 };

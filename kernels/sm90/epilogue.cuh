@@ -42,7 +42,7 @@ struct Epilogue {
             const int idx = it * 128 + ml.t128;
             const int rl = idx / CPR, chk = idx % CPR;
             const int grow = m_block * BM + ml.c * 64 + rl;
-            if (grow < sqv && chk * 8 < p.d)
+            if (grow < sqv && chk * 8 < p.dv)
                 *reinterpret_cast<uint4*>(og + (int64_t)grow * p.o_row_stride + chk * 8) = make_uint4(0, 0, 0, 0);
         }
     }
@@ -129,7 +129,7 @@ struct Epilogue {
             const int rl = idx / CPR, chk = idx % CPR;
             const int grow = srow + rl;
             const uint32_t off = (chk >> 3) * BM * 128 + slice + rl * 128 + (((chk & 7) ^ (rl & 7)) << 4);
-            if (tail && grow < sqv && chk * 8 < p.d)
+            if (tail && grow < sqv && chk * 8 < p.dv)
                 *reinterpret_cast<uint4*>(og + (int64_t)grow * p.o_row_stride + chk * 8) =
                     *reinterpret_cast<const uint4*>(gsO + off);
         }

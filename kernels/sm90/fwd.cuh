@@ -60,7 +60,9 @@
 //   exchange reuses the K/V ring, which the loads of a cluster's next tile could overwrite before
 //   rank 0 has read it). p.d <= HEAD_DIM (the
 //   FC_SM90_FWD_NARROW twins: p.d <= DV): the maps' globalDim d = p.d, so TMA zero-fills the
-//   columns beyond it and the O store clips them.
+//   columns beyond it and the O store clips them. V and O have their own head dim p.dv (<= the
+//   kernel's V width: HEAD_DIM, a narrow twin's DV, a FC_SM90_FWD_SEPV kernel's DV): the v and o
+//   maps' globalDim d = p.dv, zero-filled and clipped alike.
 //   Varlen (p.cu_seqlens_q/k set, fc::seq_range): q/o maps over the packed (d, total_q, hq, 1)
 //   rows and k/v over (d, total_k, hkv, 1), batch coordinate 0; tiles past a shorter sequence are
 //   skipped by the scheduler; key rows past the sequence's end that a box reads are masked; O
@@ -86,9 +88,9 @@
 namespace fc90 {
 
 template <typename T, int D, int MASK, int BM, int BN, int STAGES, bool PINGPONG, bool CAP = false,
-          int DV = D, bool ILV = false, bool SPLIT = false, int QS = 1>
-struct FwdSm90 : FwdTraits<T, D, MASK, BM, BN, STAGES, PINGPONG, CAP, DV, ILV, SPLIT, QS> {
-    using Tr = FwdTraits<T, D, MASK, BM, BN, STAGES, PINGPONG, CAP, DV, ILV, SPLIT, QS>;
+          int DK = D, bool ILV = false, bool SPLIT = false, int QS = 1, int DV = DK, int VD = D>
+struct FwdSm90 : FwdTraits<T, D, MASK, BM, BN, STAGES, PINGPONG, CAP, DK, ILV, SPLIT, QS, DV, VD> {
+    using Tr = FwdTraits<T, D, MASK, BM, BN, STAGES, PINGPONG, CAP, DK, ILV, SPLIT, QS, DV, VD>;
 
     // The consumer warpgroups' loop over the tiles of the ring: the key loop, the key split's
     // gather, the epilogue; each tile's slot is handed back once its epilogue no longer reads it.
@@ -175,33 +177,39 @@ struct FwdSm90 : FwdTraits<T, D, MASK, BM, BN, STAGES, PINGPONG, CAP, DV, ILV, S
 }  // namespace fc90
 
 // SYMBOL(p, tm_q, tm_k, tm_v, tm_o): see the launch contract above. WARPS must be (BLOCK_M/64 + 1) * 4.
-#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP, DV, ILV, SPLIT, QS) \
+// DK: the Q/K width computed; DV, VD: the V/O width computed and the V ring's (FwdTraits).
+#define FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, PINGPONG, CAP, DK, ILV, SPLIT, QS, DV, VD) \
     extern "C" __global__ void __launch_bounds__((WARPS) * 32, 1)                                           \
         SYMBOL(const __grid_constant__ FcParams p, const __grid_constant__ CUtensorMap tm_q,                 \
                const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,           \
                const __grid_constant__ CUtensorMap tm_o) {                                                  \
         static_assert((WARPS) == ((BLOCK_M) / 64 + 1) * 4, "sm90 fwd: WARPS = (BLOCK_M/64 + 1) * 4");       \
-        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DV, ILV, SPLIT, QS>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
+        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DK, ILV, SPLIT, QS, DV, VD>::run(p, &tm_q, &tm_k, &tm_v, &tm_o); \
     }                                                                                                          \
     constexpr FcKernelFacts fc_facts_##SYMBOL{                                                                 \
-        fc90::fwd_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, QS), CAP,                                     \
-        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DV, ILV, SPLIT, QS>::PAGED, \
-        ILV, SPLIT, DV, QS};
+        fc90::fwd_smem_bytes(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, QS, VD), CAP,                                 \
+        fc90::FwdSm90<T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CAP, DK, ILV, SPLIT, QS, DV, VD>::PAGED, \
+        ILV, SPLIT, DK, QS, DV};
 // Ping-pong between consumer warpgroups for head_dim <= 128 (measured faster there), off for 256.
 #define FC_SM90_FWD(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, false, QS)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, false, QS, HEAD_DIM, HEAD_DIM)
 // The softcap twin of a kernel (the variant table's `softcap` entries; p.softcap > 0 required).
 #define FC_SM90_FWD_CAP(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true, HEAD_DIM, false, false, QS)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), true, HEAD_DIM, false, false, QS, HEAD_DIM, HEAD_DIM)
 // The narrow twin of a kernel computing DV < HEAD_DIM columns (the variant table's `narrow`
 // entries; head dims p.d <= DV only).
 #define FC_SM90_FWD_NARROW(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS, DV) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, DV, false, false, QS)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, DV, false, false, QS, DV, HEAD_DIM)
+// The separate-V kernel (the variant table's `v_width` entries): Q and K HEAD_DIM wide, V and O
+// DV wide (a multiple of 64 below HEAD_DIM), with a V ring and O buffer of that width; problems
+// with p.d <= HEAD_DIM and p.dv <= DV.
+#define FC_SM90_FWD_SEPV(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS, DV) \
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, false, QS, DV, DV)
 // The paged twin of a kernel (the variant table's `paged` entries): K/V read from a paged pool
 // through the page table, one 5-D box per page or tile (`ILV`); p.page_table set, p.d = HEAD_DIM.
 #define FC_SM90_FWD_PG(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, true, false, QS)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, true, false, QS, HEAD_DIM, HEAD_DIM)
 // The key-split twin of a kernel (the variant table's `kv_split` entries): launched in clusters of
 // p.num_splits CTAs along x, one cluster per query tile (see FwdSm90's SPLIT).
 #define FC_SM90_FWD_KVS(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, QS) \
-    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, true, QS)
+    FC_SM90_FWD_EX(SYMBOL, T, HEAD_DIM, MASK_ID, BLOCK_M, BLOCK_N, WARPS, STAGES, ((HEAD_DIM) <= 128), false, HEAD_DIM, false, true, QS, HEAD_DIM, HEAD_DIM)

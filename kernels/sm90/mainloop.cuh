@@ -110,7 +110,7 @@ struct Mainloop {
         const uint32_t qa = sq_ + qr * 128, ka = sk_ + (ILV ? (kr >> 3) * KV_RG + (kr & 7) * 128 : kr * 128),
                        qs = (qr & 7) << 4, ks = (kr & 7) << 4;
 #pragma unroll 1
-        for (int w = 0; w < DV / 2; ++w) {  // 32-bit words: 2 elements
+        for (int w = 0; w < DK / 2; ++w) {  // 32-bit words: 2 elements
             const uint32_t blk = (w >> 5), off = (((w & 31) >> 2) << 4) | ((w & 3) << 2);
             const float2 x = fc::Elem<T>::unpack(fc::ld_shared_b32(qa + blk * BM * 128 + (off ^ qs)));
             const float2 y = fc::Elem<T>::unpack(fc::ld_shared_b32(ka + blk * KV_CB + (off ^ ks)));
@@ -280,7 +280,7 @@ struct Mainloop {
         while (big) {  // one dot product per P = inf (an index loop: one copy of the code)
             const int i = __ffsll((long long)big) - 1;
             big &= big - 1;
-            float v = score_smem(sm.sQ + qb * Q_BYTES, sm.sK + kst * KV_BYTES, c * 64 + warp * 16 + g + 8 * ((i >> 1) & 1),
+            float v = score_smem(sm.sQ + qb * Q_BYTES, sm.sK + kst * K_BYTES, c * 64 + warp * 16 + g + 8 * ((i >> 1) & 1),
                                  8 * (i >> 2) + 2 * tq + (i & 1));
             if (CAP) v = mod_score(v, n, i);
 #pragma unroll
@@ -348,20 +348,20 @@ struct Mainloop {
     }
 
     // ---- wgmma ----
-    // Q K^T over the DV columns in use (a narrow twin: the columns past p.d <= DV are zeros, filled
+    // Q K^T over the DK columns in use (a narrow twin: the columns past p.d <= DK are zeros, filled
     // by TMA). Earlier narrow-Q K^T twins ran ceil(d / 16) k-steps in a loop bounded by the
     // parameter block (d80 +3-11 %, d160 +1-16 %); the loop in the full-width kernels themselves
     // cost d128 2-5 %, and a branch around single unrolled wgmmas makes ptxas serialise them
     // (C7515): hence compile-time twins (docs/decisions.md#narrow-twins).
     __device__ __forceinline__ void issue_qk(int stage) {
-        const uint64_t dks = desc_add(dk, stage * KV_BYTES);
+        const uint64_t dks = desc_add(dk, stage * K_BYTES);
 #pragma unroll
-        for (int kk = 0; kk < DV / 16; ++kk)
+        for (int kk = 0; kk < DK / 16; ++kk)
             QK::ss(s, desc_add(dq, qb * Q_BYTES + (kk / 4) * BM * 128 + (kk % 4) * 32),
                    desc_add(dks, (kk / 4) * KV_CB + (kk % 4) * 32), kk > 0 ? 1 : 0);
     }
     __device__ __forceinline__ void issue_pv(int stage) {
-        const uint64_t dvs = desc_add(dv, stage * KV_BYTES);
+        const uint64_t dvs = desc_add(dv, stage * V_BYTES);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) PV::rs(o, pa[kk], desc_add(dvs, kk * 2 * KV_RG), 1);
     }
@@ -481,7 +481,7 @@ struct Mainloop {
             const int valid = sk_of() - (hi - 1) * BN;
             if (valid < BN) {
                 mbar_wait(sm.full_v(vs.stage), vs.phase);
-                uint8_t* const vt = smem_raw + (sm.sV + vs.stage * KV_BYTES - sm.raw);
+                uint8_t* const vt = smem_raw + (sm.sV + vs.stage * V_BYTES - sm.raw);
                 const int units = (BN - valid) * 8;  // 16-byte units per 64-column block
                 for (int i = t128; i < units * DBV; i += 128) {
                     const int cb = i / units, r = valid + (i % units) / 8, u = i % 8;

@@ -35,7 +35,8 @@ struct Producer {
         // barrier expects the whole tile: those keys are masked and the consumers zero their V
         // rows. The paged twin (ILV; always paged) loads box j's rows over every column block
         // with one 5-D box at row group (page * page_size + slot) / 8 of the pool.
-        auto load_tile = [&](uint32_t dst, const CUtensorMap* tm, uint32_t bar, int n) {
+        // `blocks`: the tile's 64-column blocks in use (DBK for K, DBV for V).
+        auto load_tile = [&](uint32_t dst, const CUtensorMap* tm, uint32_t bar, int n, int blocks) {
             if (ILV || (PAGED && p.page_table != nullptr)) {
                 const int sh = p.page_shift;
                 const int pb = min(1 << sh, BN & -BN);
@@ -48,14 +49,14 @@ struct Producer {
                                     (page << (sh - 3)) + ((key & ((1 << sh) - 1)) >> 3), kEvictLast);
                     } else {
 #pragma unroll
-                        for (int c = 0; c < DBV; ++c)
+                        for (int c = 0; c < blocks; ++c)
                             tma_load_4d(dst + c * BN * 128 + r * 128, tm, bar, c * 64,
                                         key & ((1 << sh) - 1), hk, page, kEvictLast);
                     }
                 }
             } else if (lead) {
 #pragma unroll
-                for (int c = 0; c < DBV; ++c)
+                for (int c = 0; c < blocks; ++c)
                     tma_load_4d(dst + c * BN * 128, tm, bar, c * 64, k0 + n * BN, hk, bk, kEvictLast);
             }
         };
@@ -63,14 +64,14 @@ struct Producer {
         // negative meanwhile, and the phase cannot end before lane 0 arrives)
         auto load_k = [&](int n) {
             mbar_wait(sm.empty_k(ks.stage), ks.phase ^ 1);
-            if (lead) mbar_arrive_expect_tx(sm.full_k(ks.stage), KV_LOAD);
-            load_tile(sm.sK + ks.stage * KV_BYTES, tmk, sm.full_k(ks.stage), n);
+            if (lead) mbar_arrive_expect_tx(sm.full_k(ks.stage), K_LOAD);
+            load_tile(sm.sK + ks.stage * K_BYTES, tmk, sm.full_k(ks.stage), n, DBK);
             ks.advance();
         };
         auto load_v = [&](int n) {
             mbar_wait(sm.empty_v(vs.stage), vs.phase ^ 1);
-            if (lead) mbar_arrive_expect_tx(sm.full_v(vs.stage), KV_LOAD);
-            load_tile(sm.sV + vs.stage * KV_BYTES, tmv, sm.full_v(vs.stage), n);
+            if (lead) mbar_arrive_expect_tx(sm.full_v(vs.stage), V_LOAD);
+            load_tile(sm.sV + vs.stage * V_BYTES, tmv, sm.full_v(vs.stage), n, DBV);
             vs.advance();
         };
         // The Q buffer is free once both consumer warpgroups are past the last Q K^T of its
@@ -81,7 +82,7 @@ struct Producer {
             if (lead) {
                 mbar_arrive_expect_tx(sm.bar_q(qb), Q_LOAD);
 #pragma unroll
-                for (int c = 0; c < DBV; ++c)
+                for (int c = 0; c < DBK; ++c)
                     tma_load_4d(sm.sQ + qb * Q_BYTES + c * BM * 128, tmq, sm.bar_q(qb), c * 64,
                                 q0 + m_block * BM, h, bq, kEvictFirst);
             }

@@ -16,19 +16,25 @@ namespace fc90 {
 // A separate O staging buffer (BM x D) is used when it fits in the 227 KB opt-in limit; it lets the
 // next tile's Q load start as soon as the last Q K^T of the current tile has completed.
 // `qs`: Q buffers (QS, 1 or 2).
-__host__ __device__ __forceinline__ constexpr bool fwd_sep_o(int bm, int bn, int d, int stages, int qs = 1) {
-    return (uint32_t)(((qs + 1) * bm + 2 * stages * bn) * d * 2) + 1280u <= 232448u;
+// `vd`: the width of the V ring and the O buffer (d, but for the separate-V kernels).
+__host__ __device__ __forceinline__ constexpr bool fwd_sep_o(int bm, int bn, int d, int stages, int qs = 1, int vd = 0) {
+    return (uint32_t)(((qs * bm + stages * bn) * d + (stages * bn + bm) * (vd > 0 ? vd : d)) * 2) + 1280u <= 232448u;
 }
-__host__ __device__ __forceinline__ constexpr uint32_t fwd_smem_bytes(int bm, int bn, int d, int stages, int qs = 1) {
-    return (uint32_t)((qs * bm + 2 * stages * bn + (fwd_sep_o(bm, bn, d, stages, qs) ? bm : 0)) * d * 2) + 1024u + 256u;
+__host__ __device__ __forceinline__ constexpr uint32_t fwd_smem_bytes(int bm, int bn, int d, int stages, int qs = 1, int vd = 0) {
+    return (uint32_t)(((qs * bm + stages * bn) * d +
+                       (stages * bn + (fwd_sep_o(bm, bn, d, stages, qs, vd) ? bm : 0)) * (vd > 0 ? vd : d)) * 2) +
+           1024u + 256u;
 }
 
 // CAP: softcap (p.softcap > 0; the `_cap` twins, FC_SM90_FWD_CAP): each S tile
 // becomes t = tanh(S * scale / softcap) right after its Q K^T (fc::Softcap, before the mask),
 // and the kept scores' unit is softcap instead of scale (exp2 factor, LSE).
-// DV: the head dim the kernel computes (D: the full kernel). A narrow twin (DV < D, the variant
-// table's `narrow`) keeps the D-wide shared-memory tiles of its kernel but loads, multiplies and
-// stores only the first DV columns: Q K^T over DV / 16 k-steps, P V and O DV wide.
+// DK: the head dim of Q and K the kernel computes (D: the full kernel). A narrow twin (DK < D,
+// the variant table's `narrow`) keeps the D-wide shared-memory tiles of its kernel but loads,
+// multiplies and stores only the first DK columns: Q K^T over DK / 16 k-steps, P V and O DK wide.
+// DV, VD: the head dim of V and O the kernel computes (DK unless set) and the width of its V ring
+// and O buffer (D unless set). A separate-V kernel (the variant table's `v_width`; DeepSeek's
+// d_qk 192, d_v 128) has DK = D and DV = VD < D: V stages of BN x VD, so a wider key tile fits.
 // ILV: the paged twin (`_pg`, FC_SM90_FWD_PG; full width only): its K and V stages keep each
 // group of 8 key rows with all of its 64-column blocks together, [row group][column block][8
 // rows][128 B], where the other kernels keep each column block's BN rows together, [column
@@ -50,13 +56,15 @@ __host__ __device__ __forceinline__ constexpr uint32_t fwd_smem_bytes(int bm, in
 // buffer's tile before last has finished its Q K^T), so a short tile does not wait for its Q after
 // the previous tile's last Q K^T. Needs the separate O buffer (O never staged in a Q buffer).
 template <typename T_, int D_, int MASK_, int BM_, int BN_, int STAGES_, bool PINGPONG_, bool CAP_ = false,
-          int DV_ = D_, bool ILV_ = false, bool SPLIT_ = false, int QS_ = 1>
+          int DK_ = D_, bool ILV_ = false, bool SPLIT_ = false, int QS_ = 1, int DV_ = DK_, int VD_ = D_>
 struct FwdTraits {
     using T = T_;
-    static constexpr int D = D_, MASK = MASK_, BM = BM_, BN = BN_, STAGES = STAGES_, DV = DV_, QS = QS_;
+    static constexpr int D = D_, MASK = MASK_, BM = BM_, BN = BN_, STAGES = STAGES_, DK = DK_, DV = DV_, VD = VD_,
+                         QS = QS_;
     static constexpr bool PINGPONG = PINGPONG_, CAP = CAP_, ILV = ILV_, SPLIT = SPLIT_;
     static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128, 192 or 256");
-    static_assert(DV % 16 == 0 && DV >= 32 && DV <= D, "narrow width: a multiple of 16, 32..D");
+    static_assert(DK % 16 == 0 && DK >= 32 && DK <= D, "narrow width: a multiple of 16, 32..D");
+    static_assert(DV % 16 == 0 && DV >= 32 && DV <= VD && VD % 64 == 0 && VD <= D, "V width: 32..VD, VD 64..D");
     static_assert(BM % 64 == 0 && BM >= 128 && BM <= 256, "BLOCK_M = 128, 192 or 256");
     static_assert(BN % 16 == 0 && BN <= 256, "BLOCK_N multiple of 16");
     static_assert(MASK >= 0 && MASK <= 2, "sm90 path: mask none, causal or window");
@@ -70,27 +78,32 @@ struct FwdTraits {
     static constexpr int NC = BM / 64;  // consumer warpgroups
     static constexpr int NTHREADS = (NC + 1) * 128;
     static constexpr int DB = D / 64;  // 64-column (128-byte) blocks of the tiles
-    static constexpr int DBV = (DV + 63) / 64;  // ... of them loaded and stored
+    static constexpr int DBK = (DK + 63) / 64;  // ... of Q and K loaded
+    static constexpr int DBV = (DV + 63) / 64;  // ... of V loaded and O stored
     static constexpr uint32_t Q_BYTES = BM * D * 2;
-    static constexpr uint32_t KV_BYTES = BN * D * 2;
-    static constexpr bool SEP_O = fwd_sep_o(BM, BN, D, STAGES, QS);
+    static constexpr uint32_t K_BYTES = BN * D * 2;   // a K stage
+    static constexpr uint32_t V_BYTES = BN * VD * 2;  // a V stage
+    static constexpr uint32_t O_BYTES = BM * VD * 2;  // the O buffer (SEP_O)
+    static constexpr bool SEP_O = fwd_sep_o(BM, BN, D, STAGES, QS, VD);
     static_assert(QS == 1 || (QS == 2 && SEP_O), "two Q buffers need the separate O buffer");
-    static constexpr uint32_t Q_LOAD = BM * DBV * 128;  // TMA bytes per Q / K-or-V tile
-    static constexpr uint32_t KV_LOAD = BN * DBV * 128;
+    static constexpr uint32_t Q_LOAD = BM * DBK * 128;  // TMA bytes per Q / K / V tile
+    static constexpr uint32_t K_LOAD = BN * DBK * 128;
+    static constexpr uint32_t V_LOAD = BN * DBV * 128;
     // K/V stage strides in bytes: between 64-column blocks, and between groups of 8 key rows
     static constexpr uint32_t KV_CB = ILV ? 1024u : BN * 128u;
     static constexpr uint32_t KV_RG = ILV ? DB * 1024u : 1024u;
-    static constexpr uint32_t TILE_BYTES = QS * Q_BYTES + 2 * STAGES * KV_BYTES + (SEP_O ? Q_BYTES : 0);
+    static constexpr uint32_t TILE_BYTES = QS * Q_BYTES + STAGES * (K_BYTES + V_BYTES) + (SEP_O ? O_BYTES : 0);
     static_assert(TILE_BYTES + 1280 <= 232448, "shared memory over the 227 KB limit");
     // setmaxnreg split. setmaxnreg.inc blocks until the CTA's register pool (what the launch
     // allocated: NTHREADS x the per-thread budget of __launch_bounds__(NTHREADS, 1), a multiple
     // of 8) has the registers, so the split must fit that pool, not the SM's 64K: with four
     // consumer warpgroups the pool is 640 x 96, and 112 / 56 hung
     // (decisions.md#sm90-register-split).
-    // Causal tiles are unequal: dynamic schedule (p.tile_counter) for d64/d128 and for d256 with
-    // 64-key tiles (`sm90_d256_short`; the 80-key tile spills at 232 consumer registers). No mask:
-    // static (any grid). Host side: src/plan/choose.rs `sm90_dynamic`.
-    static constexpr bool DYN = CAUSAL && (D <= 128 || BN == 64);
+    // Causal tiles are unequal: dynamic schedule (p.tile_counter) for d64/d128, for d256 with
+    // 64-key tiles (`sm90_d256_short`; the 80-key tile spills at 232 consumer registers) and for
+    // the separate-V kernels (O as narrow as d128's). No mask: static (any grid). Host side:
+    // src/plan/choose.rs `sm90_dynamic`.
+    static constexpr bool DYN = CAUSAL && (D <= 128 || BN == 64 || VD < D);
     // d64, and d256 on the dynamic schedule, with two consumer warpgroups: the producer (TMA thread
     // + tile scheduler) spills at 24 registers, 40 then, and 232 for the consumers.
     // The dynamic schedule's threads carry each tile's sequence range (varlen):
@@ -106,14 +119,15 @@ struct FwdTraits {
     // producer spilled 4 B with the TMA warp's per-lane boxes; the host gathers for those
     // (`Variant::page_box`, kernels/variants.rs).
     static constexpr bool PAGED = !(NC == 3 && DYN) && NC != 4;
-    static_assert(!ILV || (PAGED && DV == D && BN % 16 == 0), "paged twin: a paged, full-width kernel");
+    static_assert(!ILV || (PAGED && DK == D && DV == D && VD == D && BN % 16 == 0),
+                  "paged twin: a paged, full-width kernel");
     static constexpr int BAR_SCHED = 1;            // named barriers 1..NC: ping-pong
     static constexpr int BAR_EPI = 1 + NC;         // named barriers NC+1..2NC: per-WG epilogue
     static constexpr int BAR_SPLIT = 1 + 2 * NC;   // the consumers of a key-split rank > 0
     // A key-split rank's exchange region per consumer warpgroup: per thread its DV / 2 O values
     // and (reference max in log2 units, partial row sum) x 2 rows, as float4 [DV / 8 + 1][128].
     static constexpr uint32_t X_BYTES = (DV / 8 + 1) * 128 * 16;
-    static_assert(!SPLIT || (NC == 2 && SEP_O && !ILV && NC * X_BYTES <= 2 * STAGES * KV_BYTES),
+    static_assert(!SPLIT || (NC == 2 && SEP_O && !ILV && NC * X_BYTES <= STAGES * (K_BYTES + V_BYTES)),
                   "key-split twin: two consumer warpgroups, an O buffer, the exchange inside the K/V ring");
     static constexpr bool BF = fc::Elem<T>::bf16;
     // Lazy rescale: a row keeps its reference max m until the true max exceeds it by more than
@@ -157,13 +171,15 @@ struct FwdTraits {
 #define FC90_TRAITS(TR)                                                                             \
     using T = typename TR::T;                                                                        \
     static constexpr int D = TR::D, MASK = TR::MASK, BM = TR::BM, BN = TR::BN, STAGES = TR::STAGES,  \
-                         DV = TR::DV, QS = TR::QS, NC = TR::NC, DB = TR::DB, DBV = TR::DBV;         \
+                         DK = TR::DK, DV = TR::DV, VD = TR::VD, QS = TR::QS, NC = TR::NC, DB = TR::DB, \
+                         DBK = TR::DBK, DBV = TR::DBV;                                               \
     static constexpr bool PINGPONG = TR::PINGPONG, CAP = TR::CAP, ILV = TR::ILV, SPLIT = TR::SPLIT,  \
                           CAUSAL = TR::CAUSAL, WINDOW = TR::WINDOW, SEP_O = TR::SEP_O,              \
                           DYN = TR::DYN, PAGED = TR::PAGED, BF = TR::BF, FAST = TR::FAST,            \
                           SPV = TR::SPV, CAUSAL_SHORT = TR::CAUSAL_SHORT, SKIP1 = TR::SKIP1;         \
-    static constexpr uint32_t Q_BYTES = TR::Q_BYTES, KV_BYTES = TR::KV_BYTES, Q_LOAD = TR::Q_LOAD,   \
-                              KV_LOAD = TR::KV_LOAD, KV_CB = TR::KV_CB, KV_RG = TR::KV_RG,           \
+    static constexpr uint32_t Q_BYTES = TR::Q_BYTES, K_BYTES = TR::K_BYTES, V_BYTES = TR::V_BYTES,   \
+                              O_BYTES = TR::O_BYTES, Q_LOAD = TR::Q_LOAD, K_LOAD = TR::K_LOAD,       \
+                              V_LOAD = TR::V_LOAD, KV_CB = TR::KV_CB, KV_RG = TR::KV_RG,             \
                               X_BYTES = TR::X_BYTES;                                                 \
     static constexpr int BAR_SCHED = TR::BAR_SCHED, BAR_EPI = TR::BAR_EPI, BAR_SPLIT = TR::BAR_SPLIT; \
     static constexpr float RESCALE_LOG2 = TR::RESCALE_LOG2;                                          \
@@ -181,9 +197,9 @@ struct FwdSmem {
         : raw(raw_),
           sQ((raw_ + 1023u) & ~1023u),
           sK(sQ + QS * Q_BYTES),
-          sV(sK + STAGES * KV_BYTES),
-          sO(sV + STAGES * KV_BYTES),
-          bars(sO + (SEP_O ? Q_BYTES : 0)) {}
+          sV(sK + STAGES * K_BYTES),
+          sO(sV + STAGES * V_BYTES),
+          bars(sO + (SEP_O ? O_BYTES : 0)) {}
     __device__ __forceinline__ uint32_t full_k(int s) const { return bars + 16u + 8u * s; }
     __device__ __forceinline__ uint32_t full_v(int s) const { return bars + 16u + 8u * (STAGES + s); }
     __device__ __forceinline__ uint32_t empty_k(int s) const { return bars + 16u + 8u * (2 * STAGES + s); }

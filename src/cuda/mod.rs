@@ -171,6 +171,13 @@ fn plan_on(dev: &CudaDevice, p: &Problem) -> Result<Plan> {
     crate::plan::plan(p, &device_info(dev)?, &options()?)
 }
 
+/// Whether `dev` runs `p` (d_v != d_qk) on q, k and v as they are, without zero-padding them to
+/// one head dim first (`plan::takes_head_dims_apart`); false where planning fails (the padded
+/// problem then reports its own error).
+pub(crate) fn runs_head_dims_apart(dev: &CudaDevice, p: &Problem) -> bool {
+    plan_on(dev, p).is_ok_and(|pl| crate::plan::takes_head_dims_apart(&pl))
+}
+
 /// Dynamic shared memory that caps a one-split decode grid of `ctas` blocks below the CTAs per
 /// SM its shared memory allows, or `None` (`plan::decode_capped_smem` with the options in force).
 pub fn decode_capped_smem(
@@ -203,8 +210,9 @@ pub fn describe(
         // Chunked attention runs as pieces (chunk::dense): each piece's route.
         return crate::chunk::describe_dense(dev, p, q, k, v, &prob);
     }
-    // d_v != d_qk runs zero-padded to max(d_qk, d_v) (op::apply_padded).
-    let (prob, pad) = padded_note(prob);
+    // d_v != d_qk runs zero-padded to max(d_qk, d_v) where the kernel needs one head dim
+    // (op::apply_padded).
+    let (prob, pad) = padded_note(dev, prob);
     let info = device_info(dev)?;
     let v = crate::plan::choose(&prob, &info, &options()?)?;
     Ok(pad + &v.symbol() + &route_note(dev, &prob, v, &info)?)
@@ -279,7 +287,7 @@ pub fn describe_paged(
         return Ok(crate::chunk::route_summary(c, plan.pieces, &[route]));
     }
     let info = device_info(dev)?;
-    let (prob, pad) = padded_note(prob);
+    let (prob, pad) = padded_note(dev, prob);
     let opts = options()?;
     let v = crate::plan::choose(&prob, &info, &opts)?;
     if v.kind == variants::KKind::Decode {
@@ -303,10 +311,11 @@ pub fn describe_paged(
         })
 }
 
-/// The problem a GPU launches for `p`: itself, or with `d_v != d_qk` the zero-padded one
-/// ([`Problem::padded`]) and the prefix `"padded to d=D, then "` for the route descriptions.
-fn padded_note(p: Problem) -> (Problem, String) {
-    if p.dv == p.d {
+/// The problem a GPU launches for `p`: itself, or with `d_v != d_qk` where its kernel needs one
+/// head dim (`runs_head_dims_apart`) the zero-padded one ([`Problem::padded`]) and the prefix
+/// `"padded to d=D, then "` for the route descriptions.
+fn padded_note(dev: &CudaDevice, p: Problem) -> (Problem, String) {
+    if p.dv == p.d || runs_head_dims_apart(dev, &p) {
         return (p, String::new());
     }
     let wide = p.padded();

@@ -29,15 +29,16 @@ pub(crate) fn forward(
     // Validation dropped every window bound no row can reach (left >= sk, right >= sq), so the
     // bounds fit the kernels' int32 band arithmetic and Window{huge, 0} runs the causal kernel.
     debug_assert_eq!(p.mask, crate::params::normalise_mask(p.mask, p.sq, p.sk));
-    if p.dv != p.d {
-        // op::apply pads such problems to one head dim before they reach a kernel.
+    let plan = plan_on(&dev, p)?;
+    if p.dv != p.d && !crate::plan::takes_head_dims_apart(&plan) {
+        // op::apply pads such problems to one head dim before they reach this kernel.
         candle_core::bail!(
-            "flashcore: internal: a GPU launch needs d_v == d_qk, got {} and {}",
+            "flashcore: internal: {} needs d_v == d_qk, got {} and {}",
+            plan.variant.symbol(),
             p.dv,
             p.d
         )
     }
-    let plan = plan_on(&dev, p)?;
     match p.dtype {
         DType::BF16 => run_typed::<bf16>(&dev, p, &plan, extra, q, k, v, want_lse),
         DType::F16 => run_typed::<f16>(&dev, p, &plan, extra, q, k, v, want_lse),
@@ -288,7 +289,7 @@ fn fc_params(p: &Problem, a: &Addrs, launch: Option<&Launch>, x: Extras) -> FcPa
         (0, 0, total_q as i64)
     } else {
         (
-            (p.sq * p.hq * p.d) as i64,
+            (p.sq * p.hq * p.dv) as i64,
             (p.hq * p.sq) as i64,
             p.sq as i64,
         )
@@ -338,8 +339,8 @@ fn fc_params(p: &Problem, a: &Addrs, launch: Option<&Launch>, x: Extras) -> FcPa
         v_row_stride: vr,
         v_head_stride: vh,
         o_batch_stride,
-        o_row_stride: (p.hq * p.d) as i64,
-        o_head_stride: p.d as i64,
+        o_row_stride: (p.hq * p.dv) as i64,
+        o_head_stride: p.dv as i64,
         lse_batch_stride,
         lse_head_stride,
         cu_seqlens_q: a.cu_q,
@@ -447,10 +448,11 @@ fn sm90_fwd(
     let (total_q, total_k) = p.totals();
     // (batch, row, head) strides in elements. Packed operands are one batch entry of `total`
     // rows (the kernel's batch coordinate is 0 for them).
-    let enc = |base: u64, (seq, batch): (usize, usize), heads, strides, box_rows, name: &str| {
+    // `d`: the operand's head dim (q, k: d_qk; v, o: d_v)
+    let enc = |base: u64, d, (seq, batch): (usize, usize), heads, strides, box_rows, name: &str| {
         let op = tma::Operand {
             base,
-            d: p.d,
+            d,
             seq,
             heads,
             batch,
@@ -472,7 +474,7 @@ fn sm90_fwd(
         _ if varlen_q && p.keys == Keys::Rows => (total_k, 1),
         _ => (p.sk, p.b),
     };
-    let tm_q = enc(prm.q, dims_q, p.hq, p.q_strides, v.block_m, "q")?;
+    let tm_q = enc(prm.q, p.d, dims_q, p.hq, p.q_strides, v.block_m, "q")?;
     let pool = |base: u64, strides: [usize; 3], name: &str| {
         let (page_size, num_pages) = dims_k;
         let pool = tma::Pool {
@@ -493,14 +495,14 @@ fn sm90_fwd(
         )
     } else {
         (
-            enc(prm.k, dims_k, p.hkv, p.k_strides, box_k, "k")?,
-            enc(prm.v, dims_k, p.hkv, p.v_strides, box_k, "v")?,
+            enc(prm.k, p.d, dims_k, p.hkv, p.k_strides, box_k, "k")?,
+            enc(prm.v, p.dv, dims_k, p.hkv, p.v_strides, box_k, "v")?,
         )
     };
     // O (written by the op, strides as in `prm`): each consumer warpgroup stores 64 rows
     // (varlen: 16-byte stores instead; the map is still encoded, unused).
     let o_strides = [prm.o_batch_stride, prm.o_row_stride, prm.o_head_stride].map(|x| x as usize);
-    let tm_o = enc(prm.o, dims_q, p.hq, o_strides, 64, "o")?;
+    let tm_o = enc(prm.o, p.dv, dims_q, p.hq, o_strides, 64, "o")?;
     let arg = |x: &tma::TensorMap| x as *const tma::TensorMap as *mut std::ffi::c_void;
     let mut args = [
         prm as *const FcParams as *mut std::ffi::c_void,

@@ -102,7 +102,8 @@ pub(crate) fn sm90_dynamic(v: &Variant, mask: Mask, m_blocks: usize) -> bool {
         return false;
     }
     match v.head_dim {
-        64 | 128 => m_blocks <= 32,
+        64 | 128 => m_blocks <= 32 || v.mask == KMask::Local,
+        192 => v.v_width > 0 && m_blocks <= 32,
         256 => v.block_n == 64 && m_blocks <= 8,
         _ => false,
     }
@@ -209,11 +210,15 @@ pub(crate) fn choose(p: &Problem, dev: &Device, opts: &Options) -> Result<&'stat
         Mask::Causal if p.sq == 1 => KMask::None,
         m => kmask(m),
     };
-    let d = kernel_head_dim(p.d);
+    // q/k and v/o may have different head dims (`Variant::takes_head_dims`): a kernel of the
+    // larger one zero-fills the narrower side, unless a separate-V kernel takes the pair.
+    let d = kernel_head_dim(p.d.max(p.dv));
+    let d_sepv = (p.d.div_ceil(64) * 64) as u32;
     // Softcap and ALiBi run in score-modifier bodies, packed batches and head dims below the
     // kernel's in the sm80 general bodies (`Variant::admits`).
     let modified = p.softcap.is_some() || p.alibi;
-    let general = p.seqs != Seqs::Dense || p.keys != Keys::Rows || p.d != d as usize;
+    let general =
+        p.seqs != Seqs::Dense || p.keys != Keys::Rows || p.d != d as usize || p.dv != d as usize;
     // The paged twins (`Variant::paged`) take paged prefill over pools of whole power-of-two
     // pages (`tma::encode_pool`) at their full head dim; FLASHCORE_PAGED_GATHER=1 turns them off.
     let whole = |s: &[usize; 3], rows: usize| s[0] == rows * s[1];
@@ -231,6 +236,12 @@ pub(crate) fn choose(p: &Problem, dev: &Device, opts: &Options) -> Result<&'stat
     // FP8 K/V: the split-KV decode kernels only (op.rs sends everything else through the slow
     // path first, `fp8::in_kernel`).
     let kv = if p.kv_fp8 {
+        if p.dv != p.d {
+            return Err(unsupported(format!(
+                "kv_scales: F8E4M3 k/v with head dims {} and {} (the FP8 decode kernels take one head dim for k and v)",
+                p.d, p.dv
+            )));
+        }
         if p.sq > variants::DECODE_MAX_SQ as usize || !p.d.is_multiple_of(16) {
             return Err(unsupported(format!(
                 "kv_scales: F8E4M3 k/v with seq_q {} and head_dim {} (the FP8 decode kernels take seq_q <= {} and head dims that are multiples of 16)",
@@ -268,7 +279,11 @@ pub(crate) fn choose(p: &Problem, dev: &Device, opts: &Options) -> Result<&'stat
     let mut missing = Vec::new();
     let mut too_big = Vec::new();
     for (family, kind) in candidates {
-        for v in variants::candidates(family, kind, dtype, kv, d, mask) {
+        // separate-V kernels first (d_qk and d_v apart, each rounded to 64 columns), then the
+        // kernels of the larger head dim
+        let sepv = variants::candidates(family, kind, dtype, kv, d_sepv, mask)
+            .filter(|v| v.v_width > 0 && p.dv != p.d);
+        for v in sepv.chain(variants::candidates(family, kind, dtype, kv, d, mask)) {
             if skipped(v, opts.skip_variants) {
                 continue;
             }
@@ -282,8 +297,8 @@ pub(crate) fn choose(p: &Problem, dev: &Device, opts: &Options) -> Result<&'stat
             } else if p.sq > v.max_sq as usize
                 || !v.admits(modified, general)
                 || !v.serves_grid(p.sq, p.hq * p.b, dev.sm_count)
-                || (v.narrow > 0 && p.d > v.narrow as usize)
-                || (v.paged && !(twin_pages && p.d == v.head_dim as usize))
+                || !v.takes_head_dims(p.d, p.dv)
+                || (v.paged && !(twin_pages && p.d == v.head_dim as usize && p.dv == p.d))
                 || (v.kv_split && splits < 2)
                 || (v.family == "sm90" && matches!(v.mask, KMask::Local) && !sm90_window_ok(v))
             {

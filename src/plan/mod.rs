@@ -269,7 +269,29 @@ fn plan_validated(p: Problem, dev: &Device, opts: &Options) -> Result<Plan> {
             "flashcore: chunk Some({c}): chunked problems run as pieces of ordinary attention, each planned on its own"
         )
     }
-    plan(&p.padded(), dev, opts)
+    plan_head_dims(&p, dev, opts)
+}
+
+/// The plan for `p` as a GPU runs it: itself where its kernel takes q/k and v/o head dims apart
+/// (`takes_head_dims_apart`), else the zero-padded problem's ([`Problem::padded`]; op.rs pads).
+pub(crate) fn plan_head_dims(p: &Problem, dev: &Device, opts: &Options) -> Result<Plan> {
+    if p.dv != p.d {
+        if let Ok(pl) = plan(p, dev, opts) {
+            if takes_head_dims_apart(&pl) {
+                return Ok(pl);
+            }
+        }
+        return plan(&p.padded(), dev, opts);
+    }
+    plan(p, dev, opts)
+}
+
+/// Whether `plan` runs a problem whose q/k and v/o head dims differ on the tensors as they are:
+/// the sm90 forward kernels (v and o read and written at d_v by their own TMA maps), on dense,
+/// packed or in-kernel paged K/V. Not a gathered pool (the gather copies K and V rows at one
+/// width) nor, yet, the sm80 kernels (docs/decisions.md#separate-v-head-dim).
+pub(crate) fn takes_head_dims_apart(plan: &Plan) -> bool {
+    plan.variant.family == "sm90" && plan.variant.kind == KKind::Fwd && plan.gather.is_none()
 }
 
 /// The plan for problem `p` on `dev`: the kernel of [`choose`], then its launch.
@@ -314,7 +336,7 @@ pub(crate) fn plan(p: &Problem, dev: &Device, opts: &Options) -> Result<Plan> {
         launch,
         check: (tables && !combine_checks).then_some(if paged { p.b as u32 } else { 1 }),
         pdl: dev.major == 9,
-        out_elems: total_q * p.hq * p.d,
+        out_elems: total_q * p.hq * p.dv,
         lse_elems: total_q * p.hq,
         runs,
     })

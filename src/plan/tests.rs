@@ -152,7 +152,7 @@ fn compare(table: &str, tag: &str, n: usize, opts: &Options) {
             };
             if got != old {
                 bad.push(format!(
-                    "{} {label}\n  table:   {old}\n  planner: {got}",
+                    "#{i} {} {label}\n  table:   {old}\n  planner: {got}",
                     row.0
                 ));
             }
@@ -282,10 +282,11 @@ fn planned(p: &Problem, dev: &Device) -> Plan {
     plan(p, dev, &Options::default()).unwrap_or_else(|e| panic!("{}: {e}", shape_str(p)))
 }
 
-/// A sliding window on sm_90 runs the sm90 window kernels only while the dynamic schedule
-/// applies (up to 32 query tiles of the d128 kernel); beyond, the sm80 window kernel.
+/// A sliding window with a right bound runs the sm90 window kernels on sm_90 at every length, on
+/// the dynamic schedule (a windowed query tile walks a few key tiles: one CTA per tile would
+/// spend its time starting up); the static schedule knob sends it to the sm80 family.
 #[test]
-fn windows_beyond_32_query_tiles_go_to_sm80() {
+fn windows_take_the_sm90_window_kernels_at_every_length() {
     let window = Mask::Window {
         left: Some(512),
         right: Some(0),
@@ -303,9 +304,14 @@ fn windows_beyond_32_query_tiles_go_to_sm80() {
     let long = planned(&dense(1, long_sq, long_sq, (8, 8), 128, window), &H100);
     assert_eq!(
         (long.variant.family, long.variant.mask),
-        ("sm80", KMask::Local),
+        ("sm90", KMask::Local),
         "{}",
         long.variant.symbol()
+    );
+    assert!(
+        matches!(long.launch, Launch::Sm90 { dynamic: true, .. }),
+        "{:?}",
+        long.launch
     );
     // the static schedule turns the sm90 window kernels off at any length
     let static_ = Options {
