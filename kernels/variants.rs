@@ -328,6 +328,21 @@ impl Variant {
             self.width()
         }
     }
+    /// Whether v and o run in slices of `v_width` columns, one launch each, every launch
+    /// computing the scores again: the d512 kernels, whose O for 512 columns would not fit a
+    /// consumer warpgroup's registers (`sm90_d512`).
+    pub const fn slices_v(&self) -> bool {
+        self.v_width > 0 && self.head_dim > 256
+    }
+    /// Launches over v and o for a problem whose v head dim is `d_v`: `slices_v` kernels one per
+    /// `v_width` columns, others one.
+    pub const fn v_launches(&self, d_v: usize) -> usize {
+        if self.slices_v() {
+            d_v.div_ceil(self.v_width as usize)
+        } else {
+            1
+        }
+    }
     /// Whether the kernel computes a problem of head dims `d_qk` and `d_v` (the narrower one's
     /// columns zero-filled up to the kernel's). A separate-V kernel takes exactly the problems
     /// whose head dims round up to its two widths in 64-column blocks; any other takes those
@@ -335,7 +350,9 @@ impl Variant {
     /// (192, 128) problem never pays for a 192-wide V on a kernel of that width: the dispatcher
     /// tries separate-V rows first, src/plan/choose.rs).
     pub const fn takes_head_dims(&self, d_qk: usize, d_v: usize) -> bool {
-        if self.v_width > 0 {
+        if self.slices_v() {
+            d_qk <= self.head_dim as usize && d_v <= self.head_dim as usize
+        } else if self.v_width > 0 {
             d_qk.div_ceil(64) * 64 == self.head_dim as usize
                 && d_v.div_ceil(64) * 64 == self.v_width as usize
         } else {
@@ -555,6 +572,14 @@ const fn sm90_d192_v128(dtype: KDType, mask: KMask) -> Variant {
     sepv(sm90_tile(dtype, 192, mask, 128, 128, u32::MAX), 128)
 }
 
+/// Head dims past 256 (Gemma 4's global layers: d512; up to 512 on either side): Q and K 512 wide,
+/// V and O in slices of 256 columns, one launch each (`Variant::slices_v`), 128x32 tiles over a
+/// two-stage ring (225 KB, O staged in the Q buffer); causal on the dynamic schedule up to 32
+/// query tiles. A slice computes the scores again: 1.5x the useful work at d512.
+const fn sm90_d512(dtype: KDType, mask: KMask) -> Variant {
+    sepv(sm90_tile(dtype, 512, mask, 128, 32, u32::MAX), 256)
+}
+
 /// The paged twin of an sm90 kernel (`Variant::paged`), with one Q buffer.
 const fn pg(v: Variant) -> Variant {
     Variant { paged: true, q_stages: 1, ..v }
@@ -650,7 +675,7 @@ const fn e4m3(v: Variant) -> Variant {
 }
 
 /// Kernels per dtype with K/V in that dtype (`base_rows`).
-const BASE_ROWS: usize = 72;
+const BASE_ROWS: usize = 74;
 
 /// Split-KV decode rows among `base_rows`: each has an FP8-K/V twin (`e4m3`).
 const fn decode_rows() -> usize {
@@ -740,6 +765,8 @@ const fn base_rows(t: KDType) -> [Variant; BASE_ROWS] {
         cap(sm90(t, 256, KMask::Causal)),
         sm90_d192_v128(t, KMask::None),
         sm90_d192_v128(t, KMask::Causal),
+        sm90_d512(t, KMask::None),
+        sm90_d512(t, KMask::Causal),
         sm80(t, 64, KMask::None),
         sm80(t, 64, KMask::Causal),
         sm80(t, 64, KMask::Local),

@@ -43,10 +43,11 @@
 //! ## Head dims
 //! q and k share one head dim `d_qk`; v and the output have `d_v`, which may differ (DeepSeek's
 //! prefill is `(192, 128)`, MLA's absorbed decode `(576, 512)`), in every entry point (paged: a K
-//! pool `(…, d_qk)` and a V pool `(…, d_v)`). Each is a multiple of 8 up to 256 everywhere; on the
-//! CPU `d_v` goes up to 512 ([`MAX_HEAD_DIM`]) and `d_qk` up to 576 ([`MAX_QK_HEAD_DIM`]); a head
-//! dim past 256 on a GPU is an error naming `q` or `v` ([`GPU_MAX_HEAD_DIM`]). The default scale
-//! is `1 / sqrt(d_qk)`. The GPU kernels are compiled for 64, 128 and 256, with
+//! pool `(…, d_qk)` and a V pool `(…, d_v)`). Each is a multiple of 8 up to 256 everywhere, up to
+//! 512 on sm_90 ([`SM90_MAX_HEAD_DIM`]: Gemma 4's d512, Q·Kᵀ over all columns, V and O in two
+//! launches of 256 columns); on the CPU `d_v` goes up to 512 ([`MAX_HEAD_DIM`]) and `d_qk` up to
+//! 576 ([`MAX_QK_HEAD_DIM`]); past that on a GPU, or past 256 on the sm80 family
+//! ([`GPU_MAX_HEAD_DIM`]), is an error naming `q` or `v`. The default scale is `1 / sqrt(d_qk)`. The GPU kernels are compiled for 64, 128 and 256, with
 //! narrow variants that compute only 32, 96, 160 or 192 columns (sm90 twins, sm80 bodies chosen
 //! per launch); other head dims run on the next kernel up with the extra columns zero-filled in
 //! shared memory (no copy; the compute of the padded columns is spent). On a GPU, `d_v != d_qk`
@@ -114,7 +115,7 @@ pub use cache::PagedKvCache;
 pub use fp8::E4M3_MAX;
 pub use merge::merge_states;
 pub use params::{
-    AttnParams, KvScales, Mask, GPU_MAX_HEAD_DIM, MAX_HEAD_DIM, MAX_QK_HEAD_DIM,
+    AttnParams, KvScales, Mask, GPU_MAX_HEAD_DIM, MAX_HEAD_DIM, MAX_QK_HEAD_DIM, SM90_MAX_HEAD_DIM,
     SUPPORTED_HEAD_DIMS,
 };
 

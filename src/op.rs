@@ -428,7 +428,7 @@ fn apply(
         v_strides: strides_of(v),
         ..problem
     };
-    if problem.dv != problem.d && !runs_head_dims_apart(q.device(), &problem) {
+    if problem.dv != problem.d && !runs_head_dims_apart(q.device(), &problem)? {
         return apply_padded(q, k, v, problem, extra, want_lse);
     }
     let lse_shape = problem.lse_shape();
@@ -451,16 +451,17 @@ fn apply(
 
 /// Whether `dev` runs a problem with `d_v != d_qk` on q, k and v as they are: the CPU path
 /// always; a CUDA device where its plan's kernel takes the two head dims
-/// (`plan::takes_head_dims_apart`); anything else pads.
-fn runs_head_dims_apart(dev: &candle_core::Device, p: &Problem) -> bool {
+/// (`plan::takes_head_dims_apart`; an error where no kernel takes the problem); anything else
+/// pads.
+fn runs_head_dims_apart(dev: &candle_core::Device, p: &Problem) -> Result<bool> {
     match dev {
-        candle_core::Device::Cpu => true,
+        candle_core::Device::Cpu => Ok(true),
         #[cfg(feature = "cuda")]
         candle_core::Device::Cuda(d) => crate::cuda::runs_head_dims_apart(d, p),
         #[allow(unreachable_patterns)]
         _ => {
             let _ = p;
-            false
+            Ok(false)
         }
     }
 }

@@ -15,8 +15,13 @@ pub const MAX_HEAD_DIM: usize = 512;
 /// latent columns and 64 rotary ones, with `d_v` = 512).
 pub const MAX_QK_HEAD_DIM: usize = 576;
 
-/// Largest head dimension the GPU kernels take: a larger one on a GPU is an error naming it.
+/// Largest head dimension every GPU kernel family takes (see [`SM90_MAX_HEAD_DIM`]).
 pub const GPU_MAX_HEAD_DIM: usize = 256;
+
+/// Largest head dimension of q, k and v on a GPU: the sm90 kernels take up to 512 (Gemma 4's
+/// global layers), the sm80 family up to [`GPU_MAX_HEAD_DIM`]; past it a GPU call is an error
+/// naming the argument.
+pub const SM90_MAX_HEAD_DIM: usize = 512;
 
 /// Attention mask, aligned bottom-right (see the crate docs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -380,13 +385,13 @@ fn check_common(
         }
     }
     // A GPU runs d_v != d_qk on a kernel of max(d_qk, d_v) (zero-filled or zero-padded): both
-    // must fit one.
+    // must fit one (the planner names the argument where a family stops at GPU_MAX_HEAD_DIM).
     for (name, x) in [("q", d), ("v", dv)] {
-        if x > GPU_MAX_HEAD_DIM && !q.device().is_cpu() {
+        if x > SM90_MAX_HEAD_DIM && !q.device().is_cpu() {
             return Err(bad(
                 name,
                 &format!(
-                    "head_dim must be at most {GPU_MAX_HEAD_DIM} on a GPU (no kernel for larger head dims yet; the CPU path takes up to {MAX_HEAD_DIM})"
+                    "head_dim must be at most {SM90_MAX_HEAD_DIM} on a GPU (no kernel for larger head dims yet; the CPU path takes up to {MAX_HEAD_DIM}, q and k {MAX_QK_HEAD_DIM})"
                 ),
                 x,
             ));

@@ -1761,9 +1761,10 @@ fn v_head_dim_on_the_gpu() -> Result<()> {
             }
         }
     }
-    // Past 256 on either side: refused before anything runs, naming the argument.
+    // Past 512 on either side: refused before anything runs, naming the argument (past 256 on
+    // the sm80 family: `head_dims_past_256_on_sm90`).
     let z = |s: (usize, usize, usize, usize)| Tensor::zeros(s, DType::BF16, &dev);
-    for (d, dv, arg, got) in [(192, 264, "v", 264), (264, 128, "q", 264)] {
+    for (d, dv, arg, got) in [(192, 520, "v", 520), (520, 128, "q", 520)] {
         let e = flashcore::attention(
             &z((1, 8, 2, d))?,
             &z((1, 8, 2, d))?,
@@ -1773,7 +1774,7 @@ fn v_head_dim_on_the_gpu() -> Result<()> {
         .unwrap_err()
         .to_string();
         assert!(
-            e.contains(&format!("{arg}: head_dim must be at most 256 on a GPU"))
+            e.contains(&format!("{arg}: head_dim must be at most 512 on a GPU"))
                 && e.contains(&format!("got {got}")),
             "{e}"
         );
@@ -1791,5 +1792,103 @@ fn v_head_dim_on_the_gpu() -> Result<()> {
         "no case ran the separate-V kernel"
     );
     println!("v_head_dim_on_the_gpu: {n} cases passed ({sepv_routes} on the separate-V kernel)");
+    Ok(())
+}
+
+/// Head dims past 256 (Gemma 4's d512): on sm_90 the d512 kernels (Q·Kᵀ over every column, V and
+/// O in launches of 256 columns) against the f64 reference: (512, 512), (264, 264), (512, 256),
+/// (320, 512), (192, 264); dense prefill and decode shapes, GQA 1/4/8, no mask and causal, sinks
+/// rotating, both dtypes, strided q, packed batches with empty sequences and paged caches
+/// (shuffled pages) for prefill and decode; outputs poisoned. On the sm80 family: an error naming
+/// the argument and the rule.
+#[test]
+fn head_dims_past_256_on_sm90() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    let probe = Tensor::zeros((1, 8, 2, 512), DType::BF16, &dev)?;
+    let sm90 = flashcore::cuda::describe(cuda, &AttnParams::default(), &probe, &probe, &probe)
+        .map(|r| r.contains("fc_sm90_fwd"))
+        .unwrap_or(false);
+    if !sm90 {
+        for (d, dv, arg) in [(512, 512, "q"), (192, 264, "v"), (264, 128, "q")] {
+            let z = |s: (usize, usize, usize, usize)| Tensor::zeros(s, DType::BF16, &dev);
+            let e = flashcore::attention(
+                &z((1, 8, 2, d))?,
+                &z((1, 8, 2, d))?,
+                &z((1, 8, 2, dv))?,
+                &AttnParams::default(),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains(&format!(
+                    "{arg}: head_dim {} runs on the sm90 kernels only",
+                    d.max(dv)
+                )),
+                "{e}"
+            );
+        }
+        println!("head_dims_past_256_on_sm90: the sm80 family refuses them");
+        return Ok(());
+    }
+    let mut rng = Rng::from_clock("head_dims_past_256_on_sm90");
+    let mut n = 0;
+    let opts = |n: usize, mask: Mask, hq: usize| -> Result<AttnParams> {
+        Ok(AttnParams {
+            mask,
+            sinks: if n % 3 == 2 {
+                Some(test_sinks(hq, &dev)?)
+            } else {
+                None
+            },
+            ..Default::default()
+        })
+    };
+    for (d, dv) in [(512, 512), (264, 264), (512, 256), (320, 512), (192, 264)] {
+        for &(b, sq, sk, hq, hkv) in &[(1, 113, 300, 8, 2), (2, 257, 257, 4, 4), (1, 1, 1023, 8, 1)]
+        {
+            let dtype = [DType::BF16, DType::F16][n % 2];
+            let r = |s: (usize, usize, usize, usize)| -> Result<Tensor> {
+                Tensor::randn(0f32, 1., s, &dev)?.to_dtype(dtype)
+            };
+            let q = r((b, sq, hq + 1, d))?.narrow(2, 1, hq)?;
+            let k = r((b, sk, hkv, d))?;
+            let v = r((b, sk, hkv, dv))?;
+            let p = opts(n, [Mask::None, Mask::Causal][n % 2], hq)?;
+            let route = flashcore::cuda::describe(cuda, &p, &q, &k, &v)?;
+            assert!(route.contains("_d512_"), "{route}");
+            let what = format!("d512 dense {dtype:?} b{b} sq{sq} sk{sk} h{hq}/{hkv} d{d}/{dv}");
+            check_dense(&what, &q, &k, &v, &p)?;
+            n += 1;
+        }
+    }
+    let lens = [(0, 3), (113, 113), (1, 300), (5, 0), (40, 9)];
+    for (d, dv) in [(512, 512), (320, 512)] {
+        let dtype = [DType::BF16, DType::F16][n % 2];
+        let vl = Varlen::random_dv(&lens, 8, 2, d, dv, dtype, n % 2 == 0, &dev)?;
+        let p = opts(n, [Mask::None, Mask::Causal][n % 2], 8)?;
+        check_varlen("d512 varlen", &vl, &p, true)?;
+        n += 1;
+        let decode: Vec<(usize, usize)> = vec![(1, 0), (1, 300), (1, 17)];
+        let chunked: Vec<(usize, usize)> = vec![(113, 1023), (1, 1), (64, 64)];
+        for (name, lens) in [
+            ("d512 paged-decode", &decode),
+            ("d512 paged-chunked", &chunked),
+        ] {
+            for page_size in [16usize, 64] {
+                let p = opts(n, [Mask::None, Mask::Causal][n % 2], 8)?;
+                let vl = Varlen::random_dv(lens, 8, 1, d, dv, dtype, false, &dev)?;
+                let pg = Paged::from_varlen(&vl, page_size, 0, &mut rng)?;
+                let tag = format!("{name} page {page_size} d{d}/{dv}");
+                let plain = |p: &AttnParams| pg.run_varlen_o(&vl, p);
+                check_packed(&tag, &vl, &p, &|p| pg.run_varlen(&vl, p), Some(&plain))?;
+                n += 1;
+            }
+        }
+    }
+    println!("head_dims_past_256_on_sm90: {n} cases passed");
     Ok(())
 }

@@ -777,3 +777,34 @@ fn separate_v_kernels_take_deepseek_prefill() {
         }
     }
 }
+
+/// Head dims past 256 take the d512 kernels on sm_90 (V and O in launches of 256 columns,
+/// `Variant::slices_v`), whichever side is wider; the sm80 targets refuse them naming it.
+#[test]
+fn head_dims_past_256_take_the_d512_kernels() {
+    for mask in [KMask::None, KMask::Causal] {
+        for (d, dv, launches) in [(512, 512, 2), (264, 264, 2), (512, 256, 1), (192, 264, 2)] {
+            for sq in [1, 113, 16384] {
+                let v = Ask::new(KDType::Bf16, d, mask, sq)
+                    .dv(dv)
+                    .take(&H100, &Options::default());
+                assert_eq!((v.head_dim, v.v_width), (512, 256), "{}", v.symbol());
+                assert_eq!(v.v_launches(dv), launches, "{}", v.symbol());
+                assert!(v.smem_bytes() <= SMEM_SM90, "{}", v.smem_bytes());
+            }
+        }
+        for (dev, opts) in sm80_targets() {
+            for (d, dv, arg) in [(512, 512, "q"), (192, 264, "v")] {
+                let e = Ask::new(KDType::F16, d, mask, 1024)
+                    .dv(dv)
+                    .on(&dev, &opts)
+                    .unwrap_err();
+                let e = e.to_string();
+                assert!(
+                    e.contains(&format!("{arg}: head_dim {}", d.max(dv as u32))),
+                    "{e}"
+                );
+            }
+        }
+    }
+}

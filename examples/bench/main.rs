@@ -17,6 +17,8 @@
 //!   ... --grid sinks --verify
 //!       (gpt-oss attention: d64, 64/8 heads, learnable sinks, causal and a 128-key causal
 //!        window; `--shape ... --sinks --window 127` runs one such problem)
+//!   ... --grid dv,d512
+//!       (DeepSeek prefill, q/k 192 and v 128; Gemma 4's d512 layers beside d256)
 //!   ... --grid fp8decode
 //!       (paged decode, 32/8 heads d128 pages of 64, b1/8/64 x 4k-32k: a bf16 KV cache against
 //!        the same cache in FP8 e4m3; times, GB/s, speed-up and the outputs' largest difference)
@@ -65,9 +67,10 @@ struct Args {
     /// For --shape: learnable attention sinks (random f32 per query head), as the sinks grid.
     #[arg(long)]
     sinks: bool,
-    /// A named grid: fa3, seeds, llama, sinks, dv (comma-separated for several). sinks: gpt-oss's
-    /// attention (d64, 64/8 heads, learnable sinks; causal, and a causal window of 128 keys).
-    /// dv: DeepSeek's prefill head dims (q/k 192, v 128; 16 heads).
+    /// A named grid: fa3, seeds, llama, sinks, dv, d512 (comma-separated for several). sinks:
+    /// gpt-oss's attention (d64, 64/8 heads, learnable sinks; causal, and a causal window of 128
+    /// keys). dv: DeepSeek's prefill head dims (q/k 192, v 128; 16 heads). d512: Gemma 4's global
+    /// layers (32/4 heads, 8k / 16k) beside the same shapes at d256.
     /// fp8decode (alone): paged decode over a bf16 cache against the same cache in FP8;
     /// fp8prefill (alone): chunked prefill over the two (examples/bench/fp8.rs).
     #[arg(long)]
@@ -422,7 +425,30 @@ fn grid(name: &str) -> Result<Vec<Problem>> {
                 }
             }
         }
-        _ => bail!("unknown grid {name:?}: expected fa3, seeds, llama, sinks or dv"),
+        "d512" => {
+            // Gemma 4's global layers (d512, 32/4 heads) beside the same shapes at d256; 16k
+            // tokens per call
+            for d in [256, 512] {
+                for causal in [true, false] {
+                    for s in [8192, 16384] {
+                        v.push(Problem {
+                            b: 16384 / s,
+                            hq: 32,
+                            hkv: 4,
+                            sq: s,
+                            sk: s,
+                            d,
+                            causal,
+                            lens: None,
+                            window: None,
+                            sinks: false,
+                            dv: None,
+                        });
+                    }
+                }
+            }
+        }
+        _ => bail!("unknown grid {name:?}: expected fa3, seeds, llama, sinks, dv or d512"),
     }
     Ok(v)
 }

@@ -62,7 +62,7 @@ struct FwdTraits {
     static constexpr int D = D_, MASK = MASK_, BM = BM_, BN = BN_, STAGES = STAGES_, DK = DK_, DV = DV_, VD = VD_,
                          QS = QS_;
     static constexpr bool PINGPONG = PINGPONG_, CAP = CAP_, ILV = ILV_, SPLIT = SPLIT_;
-    static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128, 192 or 256");
+    static_assert(D % 64 == 0 && D <= 512, "head_dim: a multiple of 64 up to 512");
     static_assert(DK % 16 == 0 && DK >= 32 && DK <= D, "narrow width: a multiple of 16, 32..D");
     static_assert(DV % 16 == 0 && DV >= 32 && DV <= VD && VD % 64 == 0 && VD <= D, "V width: 32..VD, VD 64..D");
     static_assert(BM % 64 == 0 && BM >= 128 && BM <= 256, "BLOCK_M = 128, 192 or 256");
@@ -160,9 +160,10 @@ struct FwdTraits {
     // d64 with two sums, so those keep one.
     static constexpr bool CAUSAL_SHORT = CAUSAL && D <= 128;
     // Causal tiles whose first warpgroup can see none of the query tile's last key tile (see
-    // `Mainloop::skip_first`): the causal tiles without SPV.
-    static constexpr bool SKIP1 = CAUSAL && !SPV;
-    static_assert(!SKIP1 || BM - 64 <= BN, "SKIP1 passes over one key tile at most");
+    // `Mainloop::skip_first`): the causal tiles without SPV whose key tiles span the first
+    // warpgroup's rows (BM - 64 <= BN: one tile to pass over at most). The d512 tiles (BN 32)
+    // run the masked tiles of their first warpgroup instead.
+    static constexpr bool SKIP1 = CAUSAL && !SPV && BM - 64 <= BN;
     using QK = Wgmma<BN, BF>;
     using PV = Wgmma<DV, BF>;
 };

@@ -171,11 +171,15 @@ fn plan_on(dev: &CudaDevice, p: &Problem) -> Result<Plan> {
     crate::plan::plan(p, &device_info(dev)?, &options()?)
 }
 
-/// Whether `dev` runs `p` (d_v != d_qk) on q, k and v as they are, without zero-padding them to
-/// one head dim first (`plan::takes_head_dims_apart`); false where planning fails (the padded
-/// problem then reports its own error).
-pub(crate) fn runs_head_dims_apart(dev: &CudaDevice, p: &Problem) -> bool {
-    plan_on(dev, p).is_ok_and(|pl| crate::plan::takes_head_dims_apart(&pl))
+/// Whether `dev` runs `p` (d_v != d_qk) on q, k and v as they are (true), or zero-padded to one
+/// head dim first (false; `plan::takes_head_dims_apart`); an error where neither runs, naming
+/// the problem as given.
+pub(crate) fn runs_head_dims_apart(dev: &CudaDevice, p: &Problem) -> Result<bool> {
+    match plan_on(dev, p) {
+        Ok(pl) if crate::plan::takes_head_dims_apart(&pl) => Ok(true),
+        Ok(_) => Ok(false),
+        Err(e) => plan_on(dev, &p.padded()).map(|_| false).map_err(|_| e),
+    }
 }
 
 /// Dynamic shared memory that caps a one-split decode grid of `ctas` blocks below the CTAs per
@@ -315,7 +319,7 @@ pub fn describe_paged(
 /// head dim (`runs_head_dims_apart`) the zero-padded one ([`Problem::padded`]) and the prefix
 /// `"padded to d=D, then "` for the route descriptions.
 fn padded_note(dev: &CudaDevice, p: Problem) -> (Problem, String) {
-    if p.dv == p.d || runs_head_dims_apart(dev, &p) {
+    if p.dv == p.d || runs_head_dims_apart(dev, &p).unwrap_or(true) {
         return (p, String::new());
     }
     let wide = p.padded();

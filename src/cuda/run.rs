@@ -432,7 +432,8 @@ fn config(g: &Grid) -> LaunchConfig {
 }
 
 /// The sm90 forward: one launch with the tensor maps of q, k, v and o (in clusters of the key
-/// splits for the key-split twins).
+/// splits for the key-split twins); the d512 kernels one per slice of v and o (`v_slices`), each
+/// with `prm`'s v and o moved to its first column and its width as `dv`.
 fn sm90_fwd(
     stream: &Stream,
     plan: &Plan,
@@ -441,7 +442,13 @@ fn sm90_fwd(
     symbol: &str,
     shape: launch::Shape,
 ) -> Result<()> {
-    let Launch::Sm90 { grid, box_k, .. } = plan.launch else {
+    let Launch::Sm90 {
+        grid,
+        box_k,
+        v_slices,
+        ..
+    } = plan.launch
+    else {
         unreachable!("sm90_fwd runs sm90 plans")
     };
     let (p, v) = (&plan.runs, plan.variant);
@@ -488,33 +495,49 @@ fn sm90_fwd(
         };
         tma::encode_pool(v.dtype, &pool, name).map_err(|e| launch::err(symbol, shape, e))
     };
-    let (tm_k, tm_v) = if v.paged {
-        (
-            pool(prm.k, p.k_strides, "k_pages")?,
-            pool(prm.v, p.v_strides, "v_pages")?,
-        )
+    let tm_k = if v.paged {
+        pool(prm.k, p.k_strides, "k_pages")?
     } else {
-        (
-            enc(prm.k, p.d, dims_k, p.hkv, p.k_strides, box_k, "k")?,
-            enc(prm.v, p.dv, dims_k, p.hkv, p.v_strides, box_k, "v")?,
-        )
+        enc(prm.k, p.d, dims_k, p.hkv, p.k_strides, box_k, "k")?
     };
-    // O (written by the op, strides as in `prm`): each consumer warpgroup stores 64 rows
-    // (varlen: 16-byte stores instead; the map is still encoded, unused).
     let o_strides = [prm.o_batch_stride, prm.o_row_stride, prm.o_head_stride].map(|x| x as usize);
-    let tm_o = enc(prm.o, p.dv, dims_q, p.hq, o_strides, 64, "o")?;
-    let arg = |x: &tma::TensorMap| x as *const tma::TensorMap as *mut std::ffi::c_void;
-    let mut args = [
-        prm as *const FcParams as *mut std::ffi::c_void,
-        arg(&tm_q),
-        arg(&tm_k),
-        arg(&tm_v),
-        arg(&tm_o),
-    ];
-    let ex = Ex::clusters(grid.cluster);
-    // SAFETY: signature (FcParams, CUtensorMap x4) as in kernels/sm90/fwd.cuh, each argument
-    // alive for the call; the maps describe the live q/k/v/o buffers whose pointers are in `prm`.
-    unsafe { launch::launch(stream, f, config(&grid), &mut args, ex, symbol, shape) }
+    let width = if v_slices > 1 {
+        v.v_width as usize
+    } else {
+        p.dv
+    };
+    for slice in 0..v_slices as usize {
+        let (first, dv) = (slice * width, width.min(p.dv - slice * width));
+        let at = |base: u64| base + 2 * first as u64;
+        let prm_s = FcParams {
+            v: at(prm.v),
+            o: at(prm.o),
+            dv: dv as i32,
+            ..*prm
+        };
+        let tm_v = if v.paged {
+            pool(prm_s.v, p.v_strides, "v_pages")?
+        } else {
+            enc(prm_s.v, dv, dims_k, p.hkv, p.v_strides, box_k, "v")?
+        };
+        // O (written by the op, strides as in `prm`): each consumer warpgroup stores 64 rows
+        // (varlen: 16-byte stores instead; the map is still encoded, unused).
+        let tm_o = enc(prm_s.o, dv, dims_q, p.hq, o_strides, 64, "o")?;
+        let arg = |x: &tma::TensorMap| x as *const tma::TensorMap as *mut std::ffi::c_void;
+        let mut args = [
+            &prm_s as *const FcParams as *mut std::ffi::c_void,
+            arg(&tm_q),
+            arg(&tm_k),
+            arg(&tm_v),
+            arg(&tm_o),
+        ];
+        let ex = Ex::clusters(grid.cluster);
+        // SAFETY: signature (FcParams, CUtensorMap x4) as in kernels/sm90/fwd.cuh, each argument
+        // alive for the call; the maps describe the live q/k/v/o buffers (v and o from the
+        // slice's first column, `dv` columns of them) whose pointers are in `prm_s`.
+        unsafe { launch::launch(stream, f, config(&grid), &mut args, ex, symbol, shape)? }
+    }
+    Ok(())
 }
 
 /// The sm80 forward ([`Launch::Sm80`]): the kernels walk the query blocks heaviest first. Grids

@@ -41,14 +41,15 @@ pub(crate) fn shape_str(p: &Problem) -> String {
     )
 }
 
-/// The compiled head dim a problem's head dim runs on: the smallest of 64, 128, 256 that holds
-/// it (the kernels zero-fill the columns beyond `p.d` in shared memory and never store them; the
+/// The compiled head dim a problem's head dim runs on: the smallest of 64, 128, 256 and 512 (sm90
+/// only) that holds it (the kernels zero-fill the columns beyond `p.d` in shared memory and never store them; the
 /// sm90 narrow twins and the sm80 narrow bodies also skip the 16-column steps past `p.d`).
 pub fn kernel_head_dim(d: usize) -> u32 {
     match d {
         0..=64 => 64,
         65..=128 => 128,
-        _ => 256,
+        129..=256 => 256,
+        _ => 512,
     }
 }
 
@@ -103,7 +104,7 @@ pub(crate) fn sm90_dynamic(v: &Variant, mask: Mask, m_blocks: usize) -> bool {
     }
     match v.head_dim {
         64 | 128 => m_blocks <= 32 || v.mask == KMask::Local,
-        192 => v.v_width > 0 && m_blocks <= 32,
+        192 | 512 => v.v_width > 0 && m_blocks <= 32,
         256 => v.block_n == 64 && m_blocks <= 8,
         _ => false,
     }
@@ -213,6 +214,14 @@ pub(crate) fn choose(p: &Problem, dev: &Device, opts: &Options) -> Result<&'stat
     // q/k and v/o may have different head dims (`Variant::takes_head_dims`): a kernel of the
     // larger one zero-fills the narrower side, unless a separate-V kernel takes the pair.
     let d = kernel_head_dim(p.d.max(p.dv));
+    if d as usize > crate::GPU_MAX_HEAD_DIM && arch != Arch::Sm90 {
+        let (name, x) = if p.d >= p.dv { ("q", p.d) } else { ("v", p.dv) };
+        return Err(candle_core::Error::Msg(format!(
+            "flashcore: {name}: head_dim {x} runs on the sm90 kernels only (compute capability 9.0); the sm80 family takes head dims up to {} [{}]",
+            crate::GPU_MAX_HEAD_DIM,
+            shape_str(p)
+        )));
+    }
     let d_sepv = (p.d.div_ceil(64) * 64) as u32;
     // Softcap and ALiBi run in score-modifier bodies, packed batches and head dims below the
     // kernel's in the sm80 general bodies (`Variant::admits`).

@@ -164,6 +164,9 @@ pub enum Launch {
         box_k: u32,
         /// log2 of the page size when the kernel reads the pool through the page table, else 0.
         page_shift: i32,
+        /// Launches over slices of v and o `variant.v_width` columns wide (`Variant::slices_v`:
+        /// the d512 kernels), each the same grid; 1 elsewhere.
+        v_slices: u32,
     },
     /// An sm80 forward: grid (query blocks, heads, batch) without a mask, (heads, query blocks,
     /// batch) with one, folded into several launches over slices of the batch and (no mask) of
@@ -276,12 +279,14 @@ fn plan_validated(p: Problem, dev: &Device, opts: &Options) -> Result<Plan> {
 /// (`takes_head_dims_apart`), else the zero-padded problem's ([`Problem::padded`]; op.rs pads).
 pub(crate) fn plan_head_dims(p: &Problem, dev: &Device, opts: &Options) -> Result<Plan> {
     if p.dv != p.d {
-        if let Ok(pl) = plan(p, dev, opts) {
-            if takes_head_dims_apart(&pl) {
-                return Ok(pl);
+        let apart = plan(p, dev, opts);
+        if let Ok(pl) = &apart {
+            if takes_head_dims_apart(pl) {
+                return apart;
             }
         }
-        return plan(&p.padded(), dev, opts);
+        // where neither runs, the error names the problem as given
+        return plan(&p.padded(), dev, opts).or_else(|e| apart.and(Err(e)));
     }
     plan(p, dev, opts)
 }
@@ -427,6 +432,7 @@ fn sm90_launch(p: &Problem, v: &'static Variant, dev: &Device, opts: &Options) -
         dynamic,
         box_k,
         page_shift,
+        v_slices: v.v_launches(p.dv) as u32,
     })
 }
 

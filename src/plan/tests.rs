@@ -66,7 +66,11 @@ fn decision(p: &Problem, dev: &Device, opts: &Options) -> String {
             dynamic,
             box_k,
             page_shift,
+            v_slices,
         } => {
+            if v_slices > 1 {
+                s += &format!(" vslices{v_slices}");
+            }
             s += &format!(
                 " sm90 grid{:?} block{} smem{} cluster{} splits{splits} dyn{dynamic} box{box_k} shift{page_shift}",
                 grid.grid, grid.block, grid.smem, grid.cluster
