@@ -54,32 +54,36 @@ extern "C" __global__ void __launch_bounds__(256) fc_append_paged(
 }
 
 // Gathers a paged cache (p.page_table, p.seqused_k; pools p.k / p.v with (page, row, head)
-// strides) into dense (b, p.sk, hkv, d) buffers dk / dv (contiguous, d = p.d): row j of
-// sequence bi is the pool row of fc::paged_row for j < its length, zeros past it (the prefill
-// kernels read whole tiles; their masked keys must hold finite values). Grid-stride over
-// (sequence, row, head, 16-byte chunk).
+// strides) into dense buffers dk (b, p.sk, hkv, p.d) and dv (b, p.sk, hkv, p.dv), both
+// contiguous: row j of sequence bi is the pool row of fc::paged_row for j < its length, zeros
+// past it (the prefill kernels read whole tiles; their masked keys must hold finite values).
+// Grid-stride over (sequence, row, head, 16-byte chunk) with the wider row's chunks; a chunk
+// past the narrower row's end is not written.
 extern "C" __global__ void __launch_bounds__(256) fc_gather_paged(const FcParams p, uint4* __restrict__ dk,
                                                                   uint4* __restrict__ dv) {
-    const int cpr = p.d / 8;
+    const int kcpr = p.d / 8, vcpr = p.dv / 8;
+    const int cpr = max(kcpr, vcpr);
     const int64_t n = (int64_t)p.b * p.sk * p.hkv * cpr;
     const uint4* kpool = static_cast<const uint4*>(p.k);
     const uint4* vpool = static_cast<const uint4*>(p.v);
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (int64_t)gridDim.x * blockDim.x) {
         const int c = (int)(idx % cpr);
-        const int h = (int)((idx / cpr) % p.hkv);
-        const int64_t row = idx / ((int64_t)cpr * p.hkv);  // bi * sk + j
+        const int64_t rh = idx / cpr;  // (bi * sk + j) * hkv + h
+        const int h = (int)(rh % p.hkv);
+        const int64_t row = rh / p.hkv;  // bi * sk + j
         const int bi = (int)(row / p.sk);
         const int j = (int)(row - (int64_t)bi * p.sk);
         const fc::SeqRange sr = fc::seq_range(p, bi);
         uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+        const bool kc = c < kcpr, vc = c < vcpr;
         if (j < sr.sk) {
             const int64_t ko = fc::paged_row(p, bi, j, p.k_batch_stride, p.k_row_stride) + (int64_t)h * p.k_head_stride;
             const int64_t vo = fc::paged_row(p, bi, j, p.v_batch_stride, p.v_row_stride) + (int64_t)h * p.v_head_stride;
-            kx = __ldg(kpool + (ko >> 3) + c);
-            vx = __ldg(vpool + (vo >> 3) + c);
+            if (kc) kx = __ldg(kpool + (ko >> 3) + c);
+            if (vc) vx = __ldg(vpool + (vo >> 3) + c);
         }
-        dk[idx] = kx;
-        dv[idx] = vx;
+        if (kc) dk[rh * kcpr + c] = kx;
+        if (vc) dv[rh * vcpr + c] = vx;
     }
 }

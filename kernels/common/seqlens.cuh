@@ -165,11 +165,11 @@ extern "C" __global__ void __launch_bounds__(256) fc_check_seqlens(const FcParam
         for (uint64_t i = threadIdx.x; i < n_lse; i += blockDim.x) p.lse[i] = __int_as_float(0x7FC00000);
         return;
     }
-    // sequence bi's rows (clamped into the output by seq_range), every head, the d columns
+    // sequence bi's rows (clamped into the output by seq_range), every head, O's dv columns
     const fc::SeqRange sr = fc::seq_range(p, bi);
-    const int64_t per_row = (int64_t)p.hq * p.d;
+    const int64_t per_row = (int64_t)p.hq * p.dv;
     for (int64_t x = threadIdx.x; x < (int64_t)sr.sq * per_row; x += blockDim.x) {
-        const int i = (int)(x / per_row), h = (int)(x % per_row / p.d), c = (int)(x % p.d);
+        const int i = (int)(x / per_row), h = (int)(x % per_row / p.dv), c = (int)(x % p.dv);
         o[(int64_t)bi * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride + (int64_t)h * p.o_head_stride + c] =
             0x7FFF;
     }

@@ -45,7 +45,7 @@
 //     num_splits == 1: the split kernel writes O (T, strides p.o_*_stride) and LSE (b, hq, sq)
 //                      directly; o_partial / lse_partial are not touched (may be null); NO combine.
 //     num_splits  > 1: the split kernel writes only the scratch:
-//                      o_partial  f32 (num_splits, b, hq, sq, HEAD_DIM) contiguous,
+//                      o_partial  f32 (num_splits, b, hq, sq, p.dv) contiguous,
 //                      lse_partial f32 (num_splits, b, hq, sq) contiguous (natural log; -inf for a
 //                      split that saw no key: a split with no tile leaves its o_partial rows
 //                      unwritten, one whose rows see none of its keys writes them 0);
@@ -65,14 +65,17 @@
 //   Requirements: q/k/v/o base pointers 16-byte aligned, all row/head/batch strides multiples of
 //   8 elements, last dim contiguous; hq = h_ratio * hkv; the split kernel needs p.scale,
 //   p.scale_log2, p.window_*; p.softcap > 0 caps the scores (fc::softcap_tanh); p.alibi_slopes adds
-//   the ALiBi bias (runtime branch per 16-key step, as softcap); p.d <= HEAD_DIM (columns beyond it
-//   zero-filled, never stored). Paged caches (p.page_table): K/V rows through fc::paged_row
-//   (common/seqlens.cuh), page by page per row; pages holding a warp's rows of a tile (page_size
-//   a multiple of BLOCK_N / WARPS; smaller than a tile: the rows dealt out by warp) one page per
-//   warp and tile, the page ids read 32 at a time ahead of use (no window); paged
-//   splits without a window cut the table's key range p.sk. Sequences through fc::seq_range (dense or varlen; the grid and the
-//   partial layout use p.sq = max_seqlen_q, row blocks past a shorter sequence exit and the combine
-//   skips its rows).
+//   the ALiBi bias (runtime branch per 16-key step, as softcap); head dims p.d (q, k) and p.dv
+//   (v, o), equal or not, each <= HEAD_DIM and a positive multiple of 8 (of 16 for the `_e4m3`
+//   kernels): Q / K columns from p.d on and V columns from p.dv on are zero-filled in shared
+//   memory (16-bit K/V; the `_e4m3` kernels fill V's with copies: KvTileLoader::v_src_chunk),
+//   O is merged and stored for its p.dv columns only. Paged caches (p.page_table): K/V rows
+//   through fc::paged_row (common/seqlens.cuh), page by page per row; pages holding a warp's
+//   rows of a tile (page_size a multiple of BLOCK_N / WARPS; smaller than a tile: the rows dealt
+//   out by warp) one page per warp and tile, the page ids read 32 at a time ahead of use (no
+//   window); paged splits without a window cut the table's key range p.sk. Sequences through
+//   fc::seq_range (dense or varlen; the grid and the partial layout use p.sq = max_seqlen_q,
+//   row blocks past a shorter sequence exit and the combine skips its rows).
 //   Empty rows (no visible key, e.g. causal sq > sk): O = 0, LSE = -inf (the head's sink).
 //   p.sinks (optional): the head's sink logit joins each row's normaliser and LSE once: in the
 //   split kernel's epilogue when num_splits == 1, else in the combine (fc::finalize_sink).
@@ -450,11 +453,12 @@ __device__ __forceinline__ int row_tile_warps(int rows_here) {
 // Epilogue of split_kernel: the warps of a row tile (WN of them, each with its own online
 // softmax over its share of the keys) merge through shared memory (the K/V ring, no longer read);
 // each row's O and LSE go to the output (one split) or to the split's partial rows (the combine
-// reads them). q0: the sequence's first packed query row.
+// reads them). q0: the sequence's first packed query row; vdch: the 16-byte chunks of an O row
+// (p.dv / 8), the only ones merged and stored (a partial row holds p.dv f32).
 template <typename T, int D, int W, bool F8>
 __device__ __forceinline__ void split_epilogue(const FcParams& p, float (&o)[D / 8][4], float (&m_run)[2],
                                                float (&l_run)[2], float sl2, int rows_here, int r0,
-                                               int sq, int bb, int kvh, int split, int q0, int dch, int hq,
+                                               int sq, int bb, int kvh, int split, int q0, int vdch, int hq,
                                                int nsplit, int tid, int warp, int g8, int t4) {
     constexpr int THREADS = W * 32;
     constexpr int CPR = D / 8;
@@ -497,6 +501,7 @@ __device__ __forceinline__ void split_epilogue(const FcParams& p, float (&o)[D /
     const int B = p.b;
     for (int item = tid; item < rows_here * CPR; item += THREADS) {
         const int rl = item / CPR, ch = item - rl * CPR;
+        if (ch >= vdch) continue;  // O's columns from p.dv on: none (zero V columns)
         const int mt = rl >> 4, rr = rl & 15;
         float M = -INFINITY;
         for (int w = 0; w < WN; ++w) M = fmaxf(M, sML[((mt * WN + w) * 16 + rr) * 2]);
@@ -539,7 +544,6 @@ __device__ __forceinline__ void split_epilogue(const FcParams& p, float (&o)[D /
             }
         }
         if (nsplit == 1) {
-            if (ch >= dch) continue;  // padded columns (p.d < HEAD_DIM)
             T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(q0 + i) * p.o_row_stride +
                     (int64_t)h * p.o_head_stride + ch * 8;
             uint4 u;
@@ -551,7 +555,7 @@ __device__ __forceinline__ void split_epilogue(const FcParams& p, float (&o)[D /
             if (ch == 0) fc::lse_ptr(p, bb, h, q0)[i] = lse;
         } else {
             const int64_t prow = (((int64_t)split * B + bb) * hq + h) * p.sq + i;
-            float* od = p.o_partial + prow * D + ch * 8;
+            float* od = p.o_partial + prow * p.dv + ch * 8;
             reinterpret_cast<float4*>(od)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
             reinterpret_cast<float4*>(od)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
             if (ch == 0) p.lse_partial[prow] = lse;
@@ -597,7 +601,8 @@ __device__ __forceinline__ void kv_head_base(const FcParams& p, int bb, int kvh,
 //    path (with these registers d128 spilled 36-48 B);
 //  * other paged pools: every row through the page table, the pages of a tile looked up one
 //    tile ahead, one row per lane.
-// Rows past the sequence (sk) and chunks past kdch are zero-filled. Tiles load in order.
+// Rows past the sequence (sk) and K chunks past kdch are zero-filled; V chunks past p.dv's
+// columns are zero-filled or copies (v_chunk_ok, v_src_chunk). Tiles load in order.
 template <typename T, typename KV, int D, int BN, int W, int PF>
 struct KvTileLoader {
     static constexpr int THREADS = W * 32;
@@ -612,7 +617,7 @@ struct KvTileLoader {
     const KV* kg;    // the head's K / V base (kv_head_base)
     const KV* vg;
     int64_t ksr, vsr;
-    int bb, sk, kdch;
+    int bb, sk, kdch;  // kdch: 16-byte chunks of a stored K row (p.d's)
     bool paged, whole_pages, warp_rows;
     int tid, lane, warp;
     int last_page;
@@ -631,6 +636,21 @@ struct KvTileLoader {
           tid(threadIdx.x), lane(threadIdx.x & 31), warp(threadIdx.x >> 5),
           last_page(p_.page_table != nullptr ? p_.total_k / p_.page_size - 1 : 0) {}
 
+    // V columns from p.dv on: their O columns are never merged or stored, so they need only be
+    // read in bounds. The 16-bit tiles zero-fill those chunks (v_chunk_ok false), the byte tiles
+    // copy the row's last chunk below p.dv into them (v_src_chunk): each form is the one that
+    // kept its kernels' registers (the other spilled 16-bit d64 8-12 B on sm_86, or took e4m3
+    // d64 from 128 to 139-151 registers). p.dv is re-read at each use (a volatile copy; held
+    // across the key loop beside kdch it spilled 16-bit d64 8 B on sm_86 / sm_89).
+    __device__ __forceinline__ int dv_remat() const {
+        int dv;
+        asm volatile("mov.b32 %0, %1;" : "=r"(dv) : "r"(p.dv));
+        return dv;
+    }
+    __device__ __forceinline__ bool v_chunk_ok(int ch) const { return F8 || ch * KEL < dv_remat(); }
+    __device__ __forceinline__ int v_src_chunk(int ch) const {
+        return F8 ? min(ch, dv_remat() / KEL - 1) : ch;
+    }
     // this thread's first row of a tile (whole pages; rows then every 32 / KCPR with
     // `warp_rows`, every THREADS / KCPR otherwise)
     __device__ __forceinline__ int row_first() const { return warp_rows ? warp * RW + lane / KCPR : tid / KCPR; }
@@ -751,7 +771,7 @@ struct KvTileLoader {
             page_offsets(t, ko, vo);
         }
         const KV* kp = kg + ko + ch * KEL;
-        const KV* vp = vg + vo + ch * KEL;
+        const KV* vp = vg + vo + v_src_chunk(ch) * KEL;
         // the rows' copies, with the step between a thread's rows a compile-time constant (as a
         // runtime value it cost pages of 64 0.5-1 %)
         auto copy_rows = [&](auto step_c, int rf) {
@@ -761,9 +781,10 @@ struct KvTileLoader {
 #pragma unroll UNROLL
             for (int it = 0; it < BN * KCPR / THREADS; ++it) {
                 const int row = rf + it * STEP;
-                const bool ok = t * BN + row < sk && ch < kdch;
-                fc::cp_async16<PF, false>(addr(sK, row, ch), ok ? kpi : kg, ok ? 16 : 0);
-                fc::cp_async16<PF, false>(addr(sV, row, ch), ok ? vpi : vg, ok ? 16 : 0);
+                const bool in = t * BN + row < sk;
+                const bool okk = in && ch < kdch, okv = in && v_chunk_ok(ch);
+                fc::cp_async16<PF, false>(addr(sK, row, ch), okk ? kpi : kg, okk ? 16 : 0);
+                fc::cp_async16<PF, false>(addr(sV, row, ch), okv ? vpi : vg, okv ? 16 : 0);
                 kpi += STEP * ksr;
                 vpi += STEP * vsr;
             }
@@ -803,27 +824,30 @@ struct KvTileLoader {
         for (int it = 0; it < ITERS; ++it) {
             const int row = row0 + it * (THREADS / KCPR);
             const int key = key0 + it * (THREADS / KCPR);
-            const bool ok = key < sk && ch < kdch;
+            const bool in = key < sk;
+            const bool okk = in && ch < kdch, okv = in && v_chunk_ok(ch);
             const int src = lane / KCPR + TPR * it;
             const int64_t page = __shfl_sync(0xffffffffu, my_page, src);
             const int slot = __shfl_sync(0xffffffffu, my_slot, src);
-            const KV* kp = ok ? kg + fc::paged_offset(page, slot, p.k_batch_stride, ksr) + ch * KEL : kg;
-            const KV* vp = ok ? vg + fc::paged_offset(page, slot, p.v_batch_stride, vsr) + ch * KEL : vg;
-            fc::cp_async16<PF, false>(addr(sK, row, ch), kp, ok ? 16 : 0);
-            fc::cp_async16<PF, false>(addr(sV, row, ch), vp, ok ? 16 : 0);
+            const KV* kp = okk ? kg + fc::paged_offset(page, slot, p.k_batch_stride, ksr) + ch * KEL : kg;
+            const int vc = v_src_chunk(ch);
+            const KV* vp = okv ? vg + fc::paged_offset(page, slot, p.v_batch_stride, vsr) + vc * KEL : vg;
+            fc::cp_async16<PF, false>(addr(sK, row, ch), kp, okk ? 16 : 0);
+            fc::cp_async16<PF, false>(addr(sV, row, ch), vp, okv ? 16 : 0);
         }
     }
     __device__ __forceinline__ void load_dense(T* sK, T* sV, int ch, int row0, int key0) {
         const KV* kp = kg + (int64_t)key0 * ksr + ch * KEL;
-        const KV* vp = vg + (int64_t)key0 * vsr + ch * KEL;
+        const KV* vp = vg + (int64_t)key0 * vsr + v_src_chunk(ch) * KEL;
 #pragma unroll
         for (int it = 0; it < BN * KCPR / THREADS; ++it) {
             const int row = row0 + it * (THREADS / KCPR);
-            const bool ok = key0 + it * (THREADS / KCPR) < sk && ch < kdch;
+            const bool in = key0 + it * (THREADS / KCPR) < sk;
+            const bool okk = in && ch < kdch, okv = in && v_chunk_ok(ch);
             const int64_t ko = (int64_t)it * (THREADS / KCPR) * ksr;
             const int64_t vo = (int64_t)it * (THREADS / KCPR) * vsr;
-            fc::cp_async16<PF, false>(addr(sK, row, ch), ok ? kp + ko : kg, ok ? 16 : 0);
-            fc::cp_async16<PF, false>(addr(sV, row, ch), ok ? vp + vo : vg, ok ? 16 : 0);
+            fc::cp_async16<PF, false>(addr(sK, row, ch), okk ? kp + ko : kg, okk ? 16 : 0);
+            fc::cp_async16<PF, false>(addr(sV, row, ch), okv ? vp + vo : vg, okv ? 16 : 0);
         }
     }
 };
@@ -970,8 +994,10 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     const bool fixed_splits = paged && MASK != 2;  // see `tps`
     constexpr int RW = BN / W;  // a warp's rows of a tile when they are dealt out by warp
     // the K / V ring's loads (KvTileLoader: whole pages per warp, pages per row, or contiguous)
-    const int dch = p.d / 8;
-    const int kdch = F8 ? p.d / KEL : dch;  // F8: the host passes p.d % 16 == 0
+    const int dch = p.d / 8;    // 16-byte chunks of a Q row
+    const int vdch = p.dv / 8;  // of an O row
+    // of a stored K row (F8: the host passes p.d % 16 == 0 and p.dv % 16 == 0)
+    const int kdch = F8 ? p.d / KEL : dch;
     const KV* kg;
     const KV* vg;
     kv_head_base(p, bb, kvh, sr, kg, vg);
@@ -1119,7 +1145,7 @@ __device__ __forceinline__ void split_kernel(const FcParams& p) {
     }
 
     // ---- epilogue: merge the warps' partial softmax states through smem
-    split_epilogue<T, D, W, F8>(p, o, m_run, l_run, sl2, rows_here, r0, sq, bb, kvh, split, sr.q0, dch, hq,
+    split_epilogue<T, D, W, F8>(p, o, m_run, l_run, sl2, rows_here, r0, sq, bb, kvh, split, sr.q0, vdch, hq,
                                 nsplit, tid, warp, g8, t4);
 }
 
@@ -1159,7 +1185,7 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
             fc::pdl_wait();
             const int64_t n_rows = p.cu_seqlens_q != nullptr ? (int64_t)p.total_q : (int64_t)p.b * p.sq;
             uint16_t* o16 = static_cast<uint16_t*>(p.o);
-            for (int64_t x = tid; x < n_rows * p.hq * p.d; x += THREADS) o16[x] = 0x7FFF;
+            for (int64_t x = tid; x < n_rows * p.hq * p.dv; x += THREADS) o16[x] = 0x7FFF;
             for (int64_t x = tid; x < n_rows * p.hq; x += THREADS) p.lse[x] = __int_as_float(0x7FC00000);
         }
     }
@@ -1172,14 +1198,17 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
     if (lie) {
         T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
                 (int64_t)h * p.o_head_stride;
-        for (int x = tid; x < p.d; x += THREADS) reinterpret_cast<uint16_t*>(od)[x] = 0x7FFF;
+        for (int x = tid; x < p.dv; x += THREADS) reinterpret_cast<uint16_t*>(od)[x] = 0x7FFF;
         if (tid == 0) fc::lse_ptr(p, bb, h, sr.q0)[i] = __int_as_float(0x7FC00000);
         return;
     }
     const int ns = p.num_splits;
     const float* lp = p.lse_partial + row;
-    const float* op = p.o_partial + row * D + c * 4;
-    const int64_t sstride = rows * D;
+    // Partial rows hold p.dv columns: a thread whose chunk lies past them folds the row's last
+    // chunk instead (in bounds, never stored).
+    const int dv = p.dv;
+    const float* op = p.o_partial + row * dv + min(c * 4, dv - 4);
+    const int64_t sstride = rows * dv;
 
     float m = -INFINITY, l = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -1245,7 +1274,7 @@ __device__ __forceinline__ void combine_kernel(const FcParams& p) {
         }
         T* od = static_cast<T*>(p.o) + (int64_t)bb * p.o_batch_stride + (int64_t)(sr.q0 + i) * p.o_row_stride +
                 (int64_t)h * p.o_head_stride + tid * 4;
-        if (tid * 4 < p.d)
+        if (tid * 4 < dv)
             *reinterpret_cast<uint2*>(od) = make_uint2(fc::Elem<T>::pack(o.x * inv, o.y * inv), fc::Elem<T>::pack(o.z * inv, o.w * inv));
         if (tid == 0) fc::lse_ptr(p, bb, h, sr.q0)[i] = lse;
     }

@@ -18,21 +18,22 @@
 // HOST-SIDE REQUIREMENTS (validate and fall back otherwise):
 //   * q, k, v, o base pointers 16-byte aligned, and every batch/row/head stride of q, k, v, o a
 //     multiple of 8 elements (each 16-byte chunk of a row is moved with one cp.async / st.v4).
-//   * last dim contiguous; d == HEAD_DIM; hq == hkv * h_ratio; sq, sk >= 1 (sk == 0 also works:
-//     all rows empty).
+//   * last dim contiguous; hq == hkv * h_ratio; sq, sk >= 1 (sk == 0 also works: all rows
+//     empty).
 //   * p.softcap > 0 caps the scores (fc::softcap_tanh, common/softmax.cuh); p.alibi_slopes adds
 //     the ALiBi bias. Both run in the kernel's FWD_GEN body (the plain body has neither).
-//   * p.d <= HEAD_DIM, a multiple of 8: columns beyond p.d are zero-filled in shared memory. A
-//     head at most 3/4 of HEAD_DIM wide (1/2 of 64) runs the FWD_NARROW body where the tile has
-//     one (fwd_narrow); it needs p.d > HEAD_DIM / 2 for HEAD_DIM >= 128 (the dispatcher's
-//     kernel_head_dim gives it), computes only the 16-column steps that hold p.d and never
-//     touches the columns past them.
+//   * Head dims p.d (q, k) and p.dv (v, o), each <= HEAD_DIM and a positive multiple of 8, equal
+//     or not: Q and K columns from p.d on and V columns from p.dv on are zero-filled in shared
+//     memory, O is stored for its p.dv columns only. Either below HEAD_DIM takes the FWD_GEN
+//     body; a pair whose mean is at most 3/4 of HEAD_DIM (1/2 of 64) the FWD_NARROW body where
+//     the tile has one (fwd_narrow), which computes only the 16-column steps of Q.K^T that hold
+//     p.d and those of P.V that hold p.dv and never touches the columns past them.
 //   * Sequences through fc::seq_range (common/seqlens.cuh): dense, or varlen prefix sums (the
 //     grid's m blocks cover p.sq = max_seqlen_q; blocks past a shorter sequence exit).
 //     Split-KV fields are ignored (this kernel writes O and LSE directly).
 // MASK_ID: 0 none, 1 causal (bottom-right), 2 local window (runtime p.window_left/right,
 // negative = unbounded; bottom-right aligned like causal).
-// Output: O (b, sq, hq, d) in T via p.o strides, LSE (b, hq, sq) f32 natural log; rows that see
+// Output: O (b, sq, hq, dv) in T via p.o strides, LSE (b, hq, sq) f32 natural log; rows that see
 // no key get O = 0 and LSE = -inf (the head's sink with p.sinks). Every element of rows < sq is
 // written exactly once. p.sinks changes only the epilogue (fc::finalize_sink).
 #pragma once
@@ -61,16 +62,18 @@ using fc::smem_addr;
 using fc::tid_remat;
 
 // Narrow head dims (the FWD_NARROW body, fwd_narrow): Q.K^T runs only the k16 steps that
-// hold columns below p.d, and P.V only the 16-column pairs of O below it, so a d96 head on the
-// d128 kernel does 3/4 of its MMAs and a d32 head on the d64 kernel half. The first
-// narrow_min_ksteps<D>() steps always run (no branch: the dispatcher gives a D >= 128 kernel only
-// heads wider than D / 2); every later step is one warp-uniform branch. Other bodies run all
+// hold columns below p.d, and P.V only the 16-column pairs of O below p.dv, so a d96 head on the
+// d128 kernel does 3/4 of its MMAs, a d32 head on the d64 kernel half, and (192, 128) on the
+// d256 kernel 12 of 16 steps of Q.K^T and 8 of 16 of P.V. The first
+// narrow_min_ksteps<D>() steps of each always run (no branch; a head narrower than them computes
+// zero-filled columns there); every later step is one warp-uniform branch. Other bodies run all
 // D / 16 steps.
 template <int D>
 __host__ __device__ constexpr int narrow_min_ksteps() {
     return D >= 128 ? D / 32 : 1;
 }
-// k16 steps (= 16-column pairs of O) the body computes for dch loaded 16-byte chunks.
+// k16 steps of Q.K^T (for dch = p.d / 8) or 16-column pairs of O (for dch = p.dv / 8) a narrow
+// body computes when a row holds dch 16-byte chunks.
 template <int D>
 __device__ __forceinline__ int narrow_ksteps(int dch) {
     return max((dch + 1) >> 1, narrow_min_ksteps<D>());
@@ -135,20 +138,20 @@ __device__ __forceinline__ void load_tile(uint32_t s, const T* __restrict__ g, i
 //     they are used, one remainder register for load_tile's row test (STAGES 2). Costs 2-5 %
 // on the H100 (decisions.md#sm80-tiles), so it is used only where the tile would spill without it.
 //   FWD_GEN: the general body: softcap (p.softcap > 0), ALiBi (p.alibi_slopes), packed
-//     variable-length batches (p.cu_seqlens_q/k, fc::seq_range) and head dims below D (p.d < D:
-//     zero-filled columns), each behind a runtime test. Kernels hold the plain body (dense, d = D,
-// no score modifier: its SASS is that of the kernel before FWD_GEN) and the general one and pick
-// one per
-//     launch (fwd_has_cap_body): a runtime branch per key tile inside one body cost the sm80
-//     forward 1 % without softcap (H100, sm_90 SASS), and the sequence ranges in
-// registers made the d128 128x48 tile spill 32 B on sm_90 (decisions.md#softcap-and-alibi-bodies).
+//     variable-length batches (p.cu_seqlens_q/k, fc::seq_range) and head dims below D (p.d or
+//     p.dv < D: zero-filled columns), each behind a runtime test. Kernels hold the plain body
+//     (dense, d = dv = D, no score modifier: its SASS is that of the kernel before FWD_GEN) and
+//     the general one and pick one per launch (fwd_has_cap_body): a runtime branch per key tile
+//     inside one body cost the sm80 forward 1 % without softcap (H100, sm_90 SASS), and the
+//     sequence ranges in registers made the d128 128x48 tile spill 32 B on sm_90
+//     (decisions.md#softcap-and-alibi-bodies).
 //   FWD_NARROW (with FWD_GEN): the general body for heads at most 3/4 of D wide, 1/2 of the d64
-//     kernel's (fwd_narrow): Q.K^T and P.V skip the 16-column steps past p.d (narrow_ksteps). A
-//     third body, not a runtime bound inside the general one: there the per-step branches cost
-//     full-width varlen d128 12 % and softcap d128 5 % (H100, sm_90 SASS),
-// and predicating the tail steps instead cost every general launch 25-40 %
-// (decisions.md#sm80-narrow-bodies). The
-//     third body adds ~17 % to the sm80 family's compile time (127 -> 148 CPU-s here).
+//     kernel's (fwd_narrow): Q.K^T skips the 16-column steps past p.d, P.V those past p.dv
+//     (narrow_ksteps). A third body, not a runtime bound inside the general one: there the
+//     per-step branches cost full-width varlen d128 12 % and softcap d128 5 % (H100, sm_90
+//     SASS), and predicating the tail steps instead cost every general launch 25-40 %
+//     (decisions.md#sm80-narrow-bodies). The third body adds ~17 % to the sm80 family's compile
+//     time (127 -> 148 CPU-s here).
 enum { FWD_LAZY = 1, FWD_XADDR = 4, FWD_PAIR = 8, FWD_LEAN = 16, FWD_GEN = 32, FWD_NARROW = 64 };
 
 // Address of 16-byte chunk group j (0..3) for a lane: XA: base already holds the lane's swizzled
@@ -538,7 +541,7 @@ struct FwdTile {
     // No row of this block sees any key: O = 0, LSE = -inf (the head's sink with sinks).
     template <int D, int NTH>
     __device__ __forceinline__ void write_empty(const FcParams& p, int tid) const {
-        const int CH = GEN ? p.d / 8 : D / 8;
+        const int CH = GEN ? p.dv / 8 : D / 8;  // O's chunks
         for (int c = tid; c < rows_valid * CH; c += NTH) {
             const int r = c / CH, ch = c % CH;
             *reinterpret_cast<uint4*>(og + (int64_t)r * p.o_row_stride + ch * 8) =
@@ -587,13 +590,14 @@ __device__ __forceinline__ void fwd_epilogue(const FcParams& p, float (&o)[MT][N
         finish(fc::Flag<true>{});
     __syncwarp();
     store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, 0, o_out, p.o_row_stride, rows_valid,
-                  GEN ? p.d / 8 : D / 8);
+                  GEN ? p.dv / 8 : D / 8);
 }
 
 template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES, int OPT = 0>
 __device__ __forceinline__ void fwd_body(const FcParams& p) {
     static_assert(D == 64 || D == 128 || D == 256, "HEAD_DIM must be 64, 128 or 256");
-    // (p.d <= D: the columns beyond it are zero in shared memory and never stored)
+    // (p.d, p.dv <= D: Q/K columns from p.d on and V columns from p.dv on are zero in shared
+    // memory; O columns from p.dv on are never stored)
     static_assert(BM % (16 * WARPS) == 0, "BLOCK_M must be a multiple of 16*WARPS");
     static_assert(BN % 16 == 0, "BLOCK_N must be a multiple of 16");
     static_assert(STAGES == 1 || STAGES == 2, "STAGES must be 1 or 2");
@@ -625,12 +629,15 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
         return;
     }
     const int sq = t.sq, sk = t.sk;
-    const int dch = GEN ? p.d / 8 : D / 8;
-    // k16 steps of Q.K^T and 16-column pairs of O (narrow_ksteps), and the 16-byte chunks of a
-    // row written to shared memory (FWD_NARROW; all of them otherwise).
+    const int dch = GEN ? p.d / 8 : D / 8;    // 16-byte chunks of a Q / K row
+    const int vch = GEN ? p.dv / 8 : D / 8;   // of a V / O row
+    // k16 steps of Q.K^T (kd) and 16-column pairs of O (kdv) (narrow_ksteps), and the 16-byte
+    // chunks of a Q / K row (dz) and a V row (vdz) written to shared memory (FWD_NARROW; all of
+    // them otherwise).
     constexpr bool NARROW = GEN && (OPT & FWD_NARROW) != 0;
     const int kd = NARROW ? narrow_ksteps<D>(dch) : KD;
-    const int dz = 2 * kd;
+    const int kdv = NARROW ? narrow_ksteps<D>(vch) : KD;
+    const int dz = 2 * kd, vdz = 2 * kdv;
     const int m0 = t.m0, rows_valid = t.rows_valid, n_min = t.n_min, n_max = t.n_max;
     const int wl = p.window_left, wr = p.window_right;
     const T* __restrict__ qg = t.qg;
@@ -647,7 +654,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
                           tid, dch, dz);
     if (STAGES == 2)
         load_tile<BN, D, NTH>(sV, vg + (int64_t)nb * BN * p.v_row_stride, p.v_row_stride,
-                              kv_valid, tid, dch, dz);
+                              kv_valid, tid, vch, vdz);
     cp_async_commit();
 
     // Per-lane ldmatrix geometry. Every tile row offset used below is a multiple of 8, so the
@@ -719,18 +726,18 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
                                                 p.k_row_stride, sk - nn * BN, tid_remat(), dch, dz);
                     load_tile<BN, D, NTH, true>(sV + off, FT::kv_tile_remat(p, p.v, p.v_batch_stride,
                                                     p.v_head_stride, p.v_row_stride, p.h_ratio, nn),
-                                                p.v_row_stride, sk - nn * BN, tid_remat(), dch, dz);
+                                                p.v_row_stride, sk - nn * BN, tid_remat(), vch, vdz);
                 } else {
                     load_tile<BN, D, NTH>(sK + off, kg + (int64_t)nn * BN * p.k_row_stride,
                                           p.k_row_stride, sk - nn * BN, tid, dch, dz);
                     load_tile<BN, D, NTH>(sV + off, vg + (int64_t)nn * BN * p.v_row_stride,
-                                          p.v_row_stride, sk - nn * BN, tid, dch, dz);
+                                          p.v_row_stride, sk - nn * BN, tid, vch, vdz);
                 }
                 cp_async_commit();
             }
         } else {
             load_tile<BN, D, NTH>(sV, vg + (int64_t)nb * BN * p.v_row_stride, p.v_row_stride,
-                                  sk - nb * BN, tid, dch, dz);
+                                  sk - nb * BN, tid, vch, vdz);
             cp_async_commit();
         }
         if (Q_IN_REGS && nb == n_max - 1) {
@@ -770,7 +777,7 @@ __device__ __forceinline__ void fwd_body(const FcParams& p) {
         softmax_tile<(OPT & FWD_LAZY) != 0>(s, o, row_m, row_l, sl2);
 
         // O += P V, P straight from the S accumulators (C layout == A layout).
-        pv_tile<T, D, MT, NS, ND, XA, NARROW>(s, o, sVs + (XA ? v_lx : v_lane_row), v_off, kd);
+        pv_tile<T, D, MT, NS, ND, XA, NARROW>(s, o, sVs + (XA ? v_lx : v_lane_row), v_off, kdv);
         if (STAGES == 2) stage ^= 1;
     }
 
@@ -829,8 +836,9 @@ __device__ __forceinline__ void pair_softmax(float (&s)[MT][NS][4], float (&o)[M
 // partial maxima and f32 [WARPS][RW] partial sums.
 template <typename T, int D, int MASK, int BM, int BN, int WARPS, int STAGES, bool GEN = false>
 __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
-    constexpr bool CAP = GEN;  // the general body (FWD_GEN): softcap, ALiBi, varlen, d < D
-    const int dch = GEN ? p.d / 8 : D / 8;
+    constexpr bool CAP = GEN;  // the general body (FWD_GEN): softcap, ALiBi, varlen, d or dv < D
+    const int dch = GEN ? p.d / 8 : D / 8;   // 16-byte chunks of a Q / K row
+    const int vch = GEN ? p.dv / 8 : D / 8;  // of a V / O row
     static_assert(STAGES == 1, "key-split pairs use the one-stage schedule");
     static_assert(WARPS % 2 == 0 && WARPS <= 30, "warps come in pairs (named barriers 1..15)");
     constexpr int NTH = WARPS * 32;
@@ -919,7 +927,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
         __syncthreads();  // K[nb] landed; every warp is done with V[nb+1], P and the maxima
         load_tile<BN, D, NTH, true>(sV, t.kv_tile_remat(p, p.v, p.v_batch_stride, p.v_head_stride,
                                                   p.v_row_stride, p.h_ratio, nb),
-                              p.v_row_stride, sk - nb * BN, tid_remat(), dch);
+                              p.v_row_stride, sk - nb * BN, tid_remat(), vch);
         cp_async_commit();
 
         float s[MT][NS][4];
@@ -1011,7 +1019,7 @@ __device__ __forceinline__ void fwd_body_pair(const FcParams& p) {
     // This warp's O columns go through the pair's own Q rows (only the pair read them, before the
     // last tile's second __syncthreads).
     store_o<T, D>(fc_sm80_fwd_smem, o, warp_row, lane, half * ND, og, p.o_row_stride, t.rows_valid,
-                  dch);
+                  vch);
 }
 
 }  // namespace fc_sm80
@@ -1049,10 +1057,10 @@ __host__ __device__ constexpr int fwd_default_opt(int D, int BM, int BN, int WAR
                        (D == 128 && BN == 48 && fwd_pre_hopper_target() ? FWD_LEAN : 0));
 }
 // Whether a launch needs the general body (FWD_GEN): a score modifier, a packed batch, or a head
-// dim below the kernel's.
+// dim (q/k's or v/o's) below the kernel's.
 __device__ __forceinline__ bool fwd_general(const FcParams& p, int D) {
     return p.softcap > 0.f || p.alibi_slopes != nullptr || p.cu_seqlens_q != nullptr ||
-           p.cu_seqlens_k != nullptr || p.seqused_k != nullptr || p.d != D;
+           p.cu_seqlens_k != nullptr || p.seqused_k != nullptr || p.d != D || p.dv != D;
 }
 // Whether a kernel holds a softcap body (FWD_GEN) beside its plain one. Not the d128 128x48 tile:
 // beside a softcap body its plain body ran 2.5-4.7 % slower (H100), so softcap d128
@@ -1070,9 +1078,10 @@ __host__ __device__ constexpr bool fwd_has_narrow_body(int D, int MASK, int STAG
 // (decisions.md#sm80-narrow-bodies): d80 / d96 on d128 1.160 / 1.048, d160 / d192 on d256 1.223 /
 // 1.058, d32 on d64 1.080;
 // d112 (one step of eight saved) 0.935 and d48 on d64 0.898: the branches cost more than the
-// steps they save.
+// steps they save. With p.d != p.dv the rule is the same on their mean (the steps saved in
+// Q.K^T and in P.V count alike); with p.d == p.dv it is the rule above.
 __device__ __forceinline__ bool fwd_narrow(const FcParams& p, int D) {
-    return D == 64 ? 2 * p.d <= D : 4 * p.d <= 3 * D;
+    return D == 64 ? p.d + p.dv <= D : 2 * (p.d + p.dv) <= 3 * D;
 }
 }  // namespace fc_sm80
 
