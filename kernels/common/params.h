@@ -23,7 +23,7 @@ struct FcParams {
     // in where a row is finished (fc::finalize_sink, common/softmax.cuh; the split-KV decode
     // in its combine, or in the split kernel when there is one split). -inf is exactly no sink.
     const float* sinks;
-    // Split-KV scratch (decode): partial O (num_splits, b, hq, sq, d) f32 and LSE (num_splits, b, hq, sq).
+    // Split-KV scratch (decode): partial O (num_splits, b, hq, sq, dv) f32 and LSE (num_splits, b, hq, sq).
     float* o_partial;
     float* lse_partial;
     // Strides in elements.

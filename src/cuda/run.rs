@@ -710,9 +710,9 @@ fn gather_paged<T: candle_core::cuda_backend::CudaDType + cudarc::driver::Device
         unreachable!("gather_paged runs plans that gather")
     };
     let stream = dev.cuda_stream();
-    let n = g.rows * plan.runs.hkv * plan.runs.d;
-    let dk: CudaSlice<T> = alloc_out(dev, n, shape)?;
-    let dv: CudaSlice<T> = alloc_out(dev, n, shape)?;
+    let n = |d: usize| g.rows * plan.runs.hkv * d;
+    let dk: CudaSlice<T> = alloc_out(dev, n(plan.runs.d), shape)?;
+    let dv: CudaSlice<T> = alloc_out(dev, n(plan.runs.dv), shape)?;
     let (dkp, _gk) = dk.device_ptr(&stream);
     let (dvp, _gv) = dv.device_ptr(&stream);
     let f = launch::function(&stream, "sm80", sym, 0, shape)?;
@@ -727,8 +727,8 @@ fn gather_paged<T: candle_core::cuda_backend::CudaDType + cudarc::driver::Device
         &dvp as *const u64 as *mut std::ffi::c_void,
     ];
     // SAFETY: signature (FcParams, uint4*, uint4*), each argument alive for the call; `prm`
-    // describes the live pools, page table and lengths, dk / dv hold b * sk * hkv * d elements
-    // of 16 bits.
+    // describes the live pools, page table and lengths, dk / dv hold b * sk * hkv * d and
+    // b * sk * hkv * dv elements of 16 bits.
     unsafe { launch::launch(&stream, &f, cfg, &mut args, Ex::NONE, sym, shape) }?;
     drop((_gk, _gv));
     Ok(((dk, dv), dkp, dvp))

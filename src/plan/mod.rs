@@ -292,11 +292,12 @@ pub(crate) fn plan_head_dims(p: &Problem, dev: &Device, opts: &Options) -> Resul
 }
 
 /// Whether `plan` runs a problem whose q/k and v/o head dims differ on the tensors as they are:
-/// the sm90 forward kernels (v and o read and written at d_v by their own TMA maps), on dense,
-/// packed or in-kernel paged K/V. Not a gathered pool (the gather copies K and V rows at one
-/// width) nor, yet, the sm80 kernels (docs/decisions.md#separate-v-head-dim).
+/// every kernel with K/V in q's dtype (v and o read and written at d_v: the sm90 forward through
+/// their own TMA maps, the sm80 forward and split-KV decode through `p.dv`, a gathered pool at
+/// its two widths). Not the FP8 decode kernels (one head dim for k and v)
+/// (docs/decisions.md#separate-v-head-dim).
 pub(crate) fn takes_head_dims_apart(plan: &Plan) -> bool {
-    plan.variant.family == "sm90" && plan.variant.kind == KKind::Fwd && plan.gather.is_none()
+    plan.variant.kv == variants::KvType::Same
 }
 
 /// The plan for problem `p` on `dev`: the kernel of [`choose`], then its launch.
@@ -309,7 +310,7 @@ pub(crate) fn plan(p: &Problem, dev: &Device, opts: &Options) -> Result<Plan> {
         let g = gathered(p)?;
         gather = Some(Gather {
             before: chosen,
-            blocks: (g.b * g.sk * g.hkv * g.d / 8)
+            blocks: (g.b * g.sk * g.hkv * g.d.max(g.dv) / 8)
                 .div_ceil(256)
                 .clamp(1, dev.sm_count.max(1) * 16) as u32,
             rows: g.b * g.sk,
@@ -357,8 +358,7 @@ fn gathered(p: &Problem) -> Result<Problem> {
             shape_str(p)
         )));
     }
-    let row = p.hkv * p.d;
-    let strides = [p.sk * row, row, p.d];
+    let strides = |d: usize| [p.sk * p.hkv * d, p.hkv * d, d];
     Ok(Problem {
         keys: Keys::Used,
         seqs: match p.seqs {
@@ -368,8 +368,8 @@ fn gathered(p: &Problem) -> Result<Problem> {
                 total_k: rows,
             },
         },
-        k_strides: strides,
-        v_strides: strides,
+        k_strides: strides(p.d),
+        v_strides: strides(p.dv),
         ..p.clone()
     })
 }
