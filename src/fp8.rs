@@ -20,14 +20,16 @@ use crate::params::{AttnParams, KvScales};
 pub(crate) const KERNEL_MAX_SQ: usize = 16;
 
 /// Whether a GPU kernel reads this call's F8E4M3 K/V as they are: q (f16 / bf16) on a CUDA
-/// device, at most [`KERNEL_MAX_SQ`] query rows per sequence, a head dim that is a multiple of
-/// 16 up to 256 (the kernels copy 16-byte chunks of 16 e4m3 values). Otherwise the K/V are
-/// widened first ([`widened`], or the paged slow path in op.rs).
-pub(crate) fn in_kernel(q: &Tensor, max_sq: usize, d: usize) -> bool {
+/// device, at most [`KERNEL_MAX_SQ`] query rows per sequence, one head dim `d` for q, k and v
+/// (`dv`: v's) that is a multiple of 16 up to 256 (the kernels copy 16-byte chunks of 16 e4m3
+/// values). Otherwise the K/V are widened first ([`widened`], or the paged slow path in op.rs)
+/// and the 16-bit kernels take the head dims as they are.
+pub(crate) fn in_kernel(q: &Tensor, max_sq: usize, d: usize, dv: usize) -> bool {
     cfg!(feature = "cuda")
         && q.device().is_cuda()
         && matches!(q.dtype(), DType::BF16 | DType::F16)
         && max_sq <= KERNEL_MAX_SQ
+        && d == dv
         && d.is_multiple_of(16)
         && d <= 256
 }

@@ -51,10 +51,9 @@
 //! narrow variants that compute only 32, 96, 160 or 192 columns (sm90 twins, sm80 bodies chosen
 //! per launch); other head dims run on the next kernel up with the extra columns zero-filled in
 //! shared memory (no copy; the compute of the padded columns is spent). On a GPU, `d_v != d_qk`
-//! runs on a kernel of `D = max(d_qk, d_v)`: the sm90 forward kernels read v and write o at
-//! `d_v` (DeepSeek's `(192, 128)` on a kernel of its own); the others get the narrower side
-//! copied with zero columns (q·k and the LSE unchanged) and the output narrowed to `d_v`
-//! (docs/decisions.md#separate-v-head-dim).
+//! runs on a kernel of `D = max(d_qk, d_v)` that reads v and writes o at `d_v`, no copies
+//! (DeepSeek's `(192, 128)` on an sm90 kernel of its own; FP8 K/V of two head dims are widened
+//! first) (docs/decisions.md#separate-v-head-dim).
 //!
 //! ## Scores
 //! `s = softmax_scale * q . k`; then, if `softcap` is set, `s = softcap * tanh(s / softcap)`; then,

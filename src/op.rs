@@ -466,8 +466,9 @@ fn runs_head_dims_apart(dev: &candle_core::Device, p: &Problem) -> Result<bool> 
     }
 }
 
-/// A problem with `d_v != d_qk` on a GPU kernel that takes one head dim for q, k and v (all but
-/// the sm90 forward kernels, `runs_head_dims_apart`): the narrower side is copied with zero columns up to `D = max(d_qk, d_v)` ([`Problem::padded`]),
+/// A problem with `d_v != d_qk` whose GPU plan takes one head dim for q, k and v
+/// (`runs_head_dims_apart`; no 16-bit kernel, and FP8 K/V of two head dims are widened before
+/// planning): the narrower side is copied with zero columns up to `D = max(d_qk, d_v)` ([`Problem::padded`]),
 /// the `D`-wide problem runs, and the output is narrowed back to its first `d_v` columns. Zero
 /// columns of q and k leave every `q . k` as it was, and the scale stays the one resolved from
 /// `d_qk`, so the scores, the softmax and the LSE are those of the unpadded problem; zero columns
@@ -511,7 +512,7 @@ pub(crate) fn run(
     let kv_scales = crate::fp8::kv_form(k, v, params)?;
     if let Some(s) = kv_scales {
         let sq = q.dims().get(1).copied().unwrap_or(0);
-        if !crate::fp8::in_kernel(q, sq, last_dim(q)) {
+        if !crate::fp8::in_kernel(q, sq, last_dim(q), last_dim(v)) {
             let (q2, k2, v2, p) = crate::fp8::widened(q, k, v, s, params)?;
             return crate::fp8::restore(run(&q2, &k2, &v2, &p, want_lse)?, q.dtype());
         }
@@ -542,7 +543,7 @@ pub(crate) fn run_varlen(
 ) -> Result<(Tensor, Option<Tensor>)> {
     let kv_scales = crate::fp8::kv_form(k, v, params)?;
     if let Some(s) = kv_scales {
-        if !crate::fp8::in_kernel(q, seqs.max_q, last_dim(q)) {
+        if !crate::fp8::in_kernel(q, seqs.max_q, last_dim(q), last_dim(v)) {
             let (q2, k2, v2, p) = crate::fp8::widened(q, k, v, s, params)?;
             let r = run_varlen(&q2, &k2, &v2, seqs, &p, want_lse)?;
             return crate::fp8::restore(r, q.dtype());
@@ -607,7 +608,7 @@ pub(crate) fn run_paged(
         None => q.dims().get(1).copied().unwrap_or(0),
     };
     if let Some(s) = kv_scales {
-        if !q.device().is_cpu() && !crate::fp8::in_kernel(q, max_q, last_dim(q)) {
+        if !q.device().is_cpu() && !crate::fp8::in_kernel(q, max_q, last_dim(q), last_dim(kv.v_pages)) {
             return paged_fp8_widened(q, kv, packed_q, params, s, want_lse);
         }
     }

@@ -152,7 +152,7 @@ pub(crate) struct Problem {
     /// Head dim of q and k (`d_qk`).
     pub d: usize,
     /// Head dim of v and of the output (`d_v`). GPU launches of `d_v != d_qk` run on kernels
-    /// that take both (the sm90 forward) or zero-padded to one head dim first
+    /// that take both (every 16-bit kernel) or zero-padded to one head dim first (FP8 K/V)
     /// (docs/decisions.md#separate-v-head-dim).
     pub dv: usize,
     pub dtype: DType,
@@ -207,8 +207,8 @@ impl Problem {
         }
     }
     /// The same problem with q, k and v zero-padded to one head dim, `max(d_qk, d_v)`, as a GPU
-    /// runs a problem with `d_v != d_qk` on kernels that take one head dim (the scale stays the
-    /// one resolved from `d_qk`).
+    /// runs a problem with `d_v != d_qk` on kernels that take one head dim (FP8 K/V; the scale
+    /// stays the one resolved from `d_qk`).
     pub fn padded(&self) -> Problem {
         let d = self.d.max(self.dv);
         Problem {
