@@ -608,7 +608,9 @@ pub(crate) fn run_paged(
         None => q.dims().get(1).copied().unwrap_or(0),
     };
     if let Some(s) = kv_scales {
-        if !q.device().is_cpu() && !crate::fp8::in_kernel(q, max_q, last_dim(q), last_dim(kv.v_pages)) {
+        if !q.device().is_cpu()
+            && !crate::fp8::in_kernel(q, max_q, last_dim(q), last_dim(kv.v_pages))
+        {
             return paged_fp8_widened(q, kv, packed_q, params, s, want_lse);
         }
     }

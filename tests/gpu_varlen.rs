@@ -1764,7 +1764,11 @@ fn v_head_dim_on_the_gpu() -> Result<()> {
     // anywhere, q past 512 on a GPU; past 256 on the sm80 family: `head_dims_past_256_on_sm90`).
     let z = |s: (usize, usize, usize, usize)| Tensor::zeros(s, DType::BF16, &dev);
     for (d, dv, want) in [
-        (192, 520, "v: head_dim must be a multiple of 8 in 8..=512, got 520"),
+        (
+            192,
+            520,
+            "v: head_dim must be a multiple of 8 in 8..=512, got 520",
+        ),
         (520, 128, "q: head_dim must be at most 512 on a GPU"),
     ] {
         let e = flashcore::attention(
