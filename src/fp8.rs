@@ -250,6 +250,80 @@ pub(crate) fn widened(
     ))
 }
 
+/// The FP8 forward's queries (F8E4M3 q with `AttnParams::q_scale`): q dequantized to f32 and
+/// the options without `q_scale`, or `None` for a 16-bit / f32 / f64 q. Checks the contract: the
+/// scale f32 `(heads_q,)` or `(1,)` on q's device, k and v F8E4M3 with `kv_scales`; on a GPU an
+/// error naming the option (no kernel yet).
+pub(crate) fn fp8_queries(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    params: &AttnParams,
+) -> Result<Option<(Tensor, AttnParams)>> {
+    let fp8 = q.dtype() == DType::F8E4M3;
+    let scale = match (&params.q_scale, fp8) {
+        (None, false) => return Ok(None),
+        (None, true) => {
+            return Err(bad(
+                "q_scale",
+                "F8E4M3 q needs its scale (AttnParams::q_scale)",
+                "none",
+            ))
+        }
+        (Some(_), false) => {
+            return Err(bad(
+                "q_scale",
+                "applies to F8E4M3 q only",
+                format!("q {:?}", q.dtype()),
+            ))
+        }
+        (Some(s), true) => s,
+    };
+    if !q.device().is_cpu() {
+        return Err(bad(
+            "q_scale",
+            "F8E4M3 queries (the FP8 forward) have no GPU kernel yet; dequantize q first (dequantize_e4m3) or run on the CPU",
+            format!("q on {:?}", q.device().location()),
+        ));
+    }
+    let hq = q.dims().iter().rev().nth(1).copied().unwrap_or(0);
+    if scale.dtype() != DType::F32 {
+        return Err(bad(
+            "q_scale",
+            "dtype must be f32",
+            format!("{:?}", scale.dtype()),
+        ));
+    }
+    if scale.dims() != [hq] && scale.dims() != [1] {
+        return Err(bad(
+            "q_scale",
+            &format!("shape must be (heads_q,) = ({hq},) or (1,)"),
+            format!("{:?}", scale.dims()),
+        ));
+    }
+    if !scale.device().same_device(q.device()) {
+        return Err(bad(
+            "q_scale",
+            "must be on the device of q",
+            format!("{:?}", scale.device().location()),
+        ));
+    }
+    for (name, t) in [("k", k), ("v", v)] {
+        if t.dtype() != DType::F8E4M3 || params.kv_scales.is_none() {
+            return Err(bad(
+                name,
+                "the FP8 forward (F8E4M3 q) takes F8E4M3 k and v with kv_scales",
+                format!("{:?}, kv_scales {}", t.dtype(), params.kv_scales.is_some()),
+            ));
+        }
+    }
+    let p = AttnParams {
+        q_scale: None,
+        ..params.clone()
+    };
+    Ok(Some((dequantize(q, scale, DType::F32)?, p)))
+}
+
 /// The output of the f32 problem cast to q's dtype (the LSE stays f32).
 pub(crate) fn restore(
     (o, lse): (Tensor, Option<Tensor>),

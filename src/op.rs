@@ -509,6 +509,9 @@ pub(crate) fn run(
     params: &AttnParams,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    if let Some((q32, p)) = crate::fp8::fp8_queries(q, k, v, params)? {
+        return crate::fp8::restore(run(&q32, k, v, &p, want_lse)?, DType::BF16);
+    }
     let kv_scales = crate::fp8::kv_form(k, v, params)?;
     if let Some(s) = kv_scales {
         let sq = q.dims().get(1).copied().unwrap_or(0);
@@ -541,6 +544,9 @@ pub(crate) fn run_varlen(
     params: &AttnParams,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    if let Some((q32, p)) = crate::fp8::fp8_queries(q, k, v, params)? {
+        return crate::fp8::restore(run_varlen(&q32, k, v, seqs, &p, want_lse)?, DType::BF16);
+    }
     let kv_scales = crate::fp8::kv_form(k, v, params)?;
     if let Some(s) = kv_scales {
         if !crate::fp8::in_kernel(q, seqs.max_q, last_dim(q), last_dim(v)) {
@@ -602,6 +608,9 @@ pub(crate) fn run_paged(
     // F8E4M3 pools: on the CPU they stay in e4m3 through the gather below (`run_varlen` then
     // dequantizes only the rows the sequences read); on a GPU a decode kernel reads them, or
     // the slow path widens the sequences' pages (`paged_fp8_widened`).
+    if let Some((q32, p)) = crate::fp8::fp8_queries(q, kv.k_pages, kv.v_pages, params)? {
+        return crate::fp8::restore(run_paged(&q32, kv, packed_q, &p, want_lse)?, DType::BF16);
+    }
     let kv_scales = crate::fp8::kv_form(kv.k_pages, kv.v_pages, params)?;
     let max_q = match packed_q {
         Some((_, m)) => m,

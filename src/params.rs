@@ -98,6 +98,12 @@ pub struct AttnParams {
     /// `DType::F8E4M3`, refused otherwise. On a GPU the split-KV decode kernels read FP8 K/V
     /// (seq_q <= 16); other problems dequantize the K/V they read first (the slow path).
     pub kv_scales: Option<KvScales>,
+    /// The FP8 forward: the f32 scale of F8E4M3 queries, `(heads_q,)` or `(1,)`, on q's device
+    /// (q is read as `stored * q_scale[h]`), with k and v F8E4M3 and `kv_scales`; the output is
+    /// bf16 (the LSE f32). Required when q is F8E4M3, refused otherwise. The CPU path
+    /// dequantizes all three and runs the f32 path; no GPU kernel takes it yet (an error naming
+    /// this option).
+    pub q_scale: Option<Tensor>,
 }
 
 /// The f32 scales of F8E4M3 keys and values, each `(heads_kv,)` (one per K/V head) or `(1,)`

@@ -431,3 +431,162 @@ fn quantize_and_dequantize_e4m3() -> Result<()> {
     assert!(e.contains("dtype"), "{e}");
     Ok(())
 }
+
+/// The FP8 forward on the CPU (F8E4M3 q with `q_scale`, F8E4M3 k/v with `kv_scales`): the f32
+/// path on the three dequantized tensors, output bf16, dense, packed and paged, every mask; its
+/// error against the f64 model of the dequantized values on outlier-heavy inputs is bf16
+/// rounding; misuse names the option; a GPU refuses it naming `q_scale`.
+#[test]
+fn fp8_forward_on_the_cpu() -> Result<()> {
+    let dev = Device::Cpu;
+    let (b, sq, sk, hq, hkv, d) = (2, 33, 70, 8, 2, 64);
+    // A few large-magnitude channels, as real activations have.
+    let outliers = |t: Tensor| -> Result<Tensor> {
+        let mut m = vec![1f32; d];
+        for c in [3, 17, 40] {
+            m[c] = 30.0;
+        }
+        t.broadcast_mul(&Tensor::new(m.as_slice(), &dev)?)
+    };
+    let raw = |n: usize, h: usize| -> Result<Tensor> {
+        outliers(Tensor::randn(0f32, 1., (b, n, h, d), &dev)?)
+    };
+    let (qr, kr, vr) = (raw(sq, hq)?, raw(sk, hkv)?, raw(sk, hkv)?);
+    let amax = |t: &Tensor, h: usize| -> Result<Tensor> {
+        // per-head scale: max |x| / 448
+        let a = t.abs()?.max(3)?.max(1)?.max(0)?;
+        assert_eq!(a.dims(), [h]);
+        (a / flashcore::E4M3_MAX as f64)?.to_dtype(DType::F32)
+    };
+    let (qs, ks, vs) = (amax(&qr, hq)?, amax(&kr, hkv)?, amax(&vr, hkv)?);
+    let q8 = flashcore::quantize_e4m3(&qr, &qs)?;
+    let k8 = flashcore::quantize_e4m3(&kr, &ks)?;
+    let v8 = flashcore::quantize_e4m3(&vr, &vs)?;
+    let scales = KvScales {
+        k: ks.clone(),
+        v: vs.clone(),
+    };
+    let deq = |x: &Tensor, s: &Tensor| flashcore::dequantize_e4m3(x, s, DType::F32);
+    let (qf, kf, vf) = (deq(&q8, &qs)?, deq(&k8, &ks)?, deq(&v8, &vs)?);
+    for mask in [
+        Mask::None,
+        Mask::Causal,
+        Mask::Window {
+            left: Some(9),
+            right: Some(2),
+        },
+    ] {
+        let p = AttnParams {
+            mask,
+            q_scale: Some(qs.clone()),
+            kv_scales: Some(scales.clone()),
+            ..Default::default()
+        };
+        let (o, lse) = flashcore::attention_with_lse(&q8, &k8, &v8, &p)?;
+        assert_eq!(o.dtype(), DType::BF16);
+        let plain = AttnParams {
+            mask,
+            ..Default::default()
+        };
+        // The same f32 computation on the dequantized tensors, one rounding to bf16.
+        let (want, want_lse) = flashcore::attention_with_lse(&qf, &kf, &vf, &plain)?;
+        assert_eq!(
+            max_abs_diff(&o, &want.to_dtype(DType::BF16)?)?,
+            0.0,
+            "{mask:?}"
+        );
+        assert_eq!(max_abs_diff(&lse, &want_lse)?, 0.0, "{mask:?}");
+        // Against the f64 model: bf16 rounding of O (|O| <= max |v|).
+        let (r, _) = reference_f64(&qf, &kf, &vf, &plain)?;
+        let err = max_abs_diff(&o, &r)?;
+        let bound = max_abs(&r)?.max(1e-3) * 2f64.powi(-8);
+        assert!(err <= bound, "{mask:?}: {err:.3e} > {bound:.3e}");
+    }
+    // Packed and paged entry points take it the same way.
+    let tq = b * sq;
+    let tk = b * sk;
+    let cq = Tensor::new(&[0u32, sq as u32, tq as u32], &dev)?;
+    let ck = Tensor::new(&[0u32, sk as u32, tk as u32], &dev)?;
+    let flat = |t: &Tensor| t.flatten_to(1);
+    let p = AttnParams {
+        mask: Mask::Causal,
+        q_scale: Some(qs.clone()),
+        kv_scales: Some(scales.clone()),
+        ..Default::default()
+    };
+    let o =
+        flashcore::attention_varlen(&flat(&q8)?, &flat(&k8)?, &flat(&v8)?, &cq, &ck, sq, sk, &p)?;
+    let plain = AttnParams {
+        mask: Mask::Causal,
+        ..Default::default()
+    };
+    let want = flashcore::attention_varlen(
+        &flat(&qf)?,
+        &flat(&kf)?,
+        &flat(&vf)?,
+        &cq,
+        &ck,
+        sq,
+        sk,
+        &plain,
+    )?;
+    assert_eq!(
+        max_abs_diff(&o, &want.to_dtype(DType::BF16)?)?,
+        0.0,
+        "varlen"
+    );
+    // paged: pages of 10 rows, sequence 1's pages first
+    let page = 10;
+    let pages = |t: &Tensor| t.reshape((tk / page, page, hkv, d));
+    let per = sk / page;
+    let table: Vec<u32> = (0..b as u32)
+        .flat_map(|s| (0..per as u32).map(move |i| (1 - s) * per as u32 + i))
+        .collect();
+    let table = Tensor::new(table.as_slice(), &dev)?.reshape((b, per))?;
+    // sequence s lives in pages [(1 - s) * per, ...): swap the halves of the pools
+    let swap = |t: &Tensor| Tensor::cat(&[t.narrow(0, 1, 1)?, t.narrow(0, 0, 1)?], 0);
+    let lens = Tensor::new(&[sk as u32, sk as u32], &dev)?;
+    let o = flashcore::attention_paged(
+        &q8,
+        &pages(&swap(&k8)?)?,
+        &pages(&swap(&v8)?)?,
+        &table,
+        &lens,
+        &p,
+    )?;
+    let want = flashcore::attention(&qf, &kf, &vf, &plain)?;
+    assert_eq!(
+        max_abs_diff(&o, &want.to_dtype(DType::BF16)?)?,
+        0.0,
+        "paged"
+    );
+    // Misuse, named.
+    let ok = AttnParams {
+        q_scale: Some(qs.clone()),
+        kv_scales: Some(scales.clone()),
+        ..Default::default()
+    };
+    let err = |q: &Tensor, k: &Tensor, v: &Tensor, p: &AttnParams| {
+        flashcore::attention(q, k, v, p).unwrap_err().to_string()
+    };
+    let no_scale = AttnParams {
+        q_scale: None,
+        ..ok.clone()
+    };
+    assert!(names(&err(&q8, &k8, &v8, &no_scale), "q_scale"));
+    let qb = qr.to_dtype(DType::BF16)?;
+    assert!(names(&err(&qb, &k8, &v8, &ok), "q_scale"));
+    let kb = kr.to_dtype(DType::BF16)?;
+    assert!(names(&err(&q8, &kb, &v8, &ok), "k"));
+    let wrong = AttnParams {
+        q_scale: Some(Tensor::ones(3, DType::F32, &dev)?),
+        ..ok.clone()
+    };
+    assert!(names(&err(&q8, &k8, &v8, &wrong), "q_scale"));
+    let f64_scale = AttnParams {
+        q_scale: Some(qs.to_dtype(DType::F64)?),
+        ..ok.clone()
+    };
+    assert!(names(&err(&q8, &k8, &v8, &f64_scale), "q_scale"));
+    Ok(())
+}

@@ -899,3 +899,32 @@ fn fp8_decode_nan_bytes_land_where_the_cpu_puts_them() -> Result<()> {
     }
     Ok(())
 }
+
+/// F8E4M3 queries (the FP8 forward, `AttnParams::q_scale`) have no GPU kernel yet: refused before
+/// anything runs, naming the option (the CPU path computes them: tests/fp8.rs).
+#[test]
+fn fp8_queries_are_refused_on_the_gpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    arch_under_test();
+    let one = |h: usize| Tensor::ones(h, DType::F32, &dev);
+    let e4m3 = |h: usize| -> Result<Tensor> {
+        flashcore::quantize_e4m3(&Tensor::randn(0f32, 1., (1, 16, h, 64), &dev)?, &one(h)?)
+    };
+    let (q, k, v) = (e4m3(8)?, e4m3(2)?, e4m3(2)?);
+    let p = AttnParams {
+        q_scale: Some(one(8)?),
+        kv_scales: Some(KvScales {
+            k: one(2)?,
+            v: one(2)?,
+        }),
+        ..Default::default()
+    };
+    let e = flashcore::attention(&q, &k, &v, &p)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        names(&e, "q_scale") && e.contains("no GPU kernel yet"),
+        "{e}"
+    );
+    Ok(())
+}
