@@ -458,3 +458,48 @@ fn sm90_schedules() {
         }
     ));
 }
+
+/// d_v != d_qk runs unpadded wherever K/V are in q's dtype: DeepSeek's (192, 128) on sm_90 takes
+/// the separate-V kernel, on an sm80 device the d256 kernel; a gathered pool keeps V at d_v
+/// (strides of 128-column rows); the d512 kernels launch once per 256 V columns.
+#[test]
+fn head_dims_apart_and_v_slices() {
+    let with_dv = |p: Problem, dv: usize| Problem {
+        dv,
+        v_strides: [p.sk * p.hkv * dv, p.hkv * dv, dv],
+        ..p
+    };
+    let p = with_dv(dense(2, 1024, 1024, (16, 16), 192, Mask::Causal), 128);
+    let h = plan_head_dims(&p, &H100, &Options::default()).unwrap();
+    assert!(takes_head_dims_apart(&h));
+    assert!(
+        h.variant.symbol().ends_with("_v128"),
+        "{}",
+        h.variant.symbol()
+    );
+    assert_eq!((h.runs.d, h.runs.dv), (192, 128));
+    let a = plan_head_dims(&p, &SM86, &Options::default()).unwrap();
+    assert!(takes_head_dims_apart(&a));
+    assert_eq!((a.variant.head_dim, a.runs.dv), (256, 128));
+    // paged pools of 16 rows on sm80: gathered at two widths
+    let pool = paged(dense(2, 300, 4096, (16, 16), 192, Mask::Causal), 16);
+    let pool = Problem {
+        dv: 128,
+        v_strides: [16 * 16 * 128, 16 * 128, 128],
+        ..pool
+    };
+    let g = plan_head_dims(&pool, &SM86, &Options::default()).unwrap();
+    assert!(g.gather.is_some() && takes_head_dims_apart(&g));
+    assert_eq!(g.runs.k_strides, [4096 * 16 * 192, 16 * 192, 192]);
+    assert_eq!(g.runs.v_strides, [4096 * 16 * 128, 16 * 128, 128]);
+    // d512: two launches over V; (512, 256) one
+    for (dv, slices) in [(512, 2), (256, 1)] {
+        let p = with_dv(dense(1, 8192, 8192, (32, 4), 512, Mask::Causal), dv);
+        let h = plan_head_dims(&p, &H100, &Options::default()).unwrap();
+        match h.launch {
+            Launch::Sm90 { v_slices, .. } => assert_eq!(v_slices, slices),
+            l => panic!("{l:?}"),
+        }
+        assert!(plan_head_dims(&p, &SM86, &Options::default()).is_err());
+    }
+}
