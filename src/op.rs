@@ -428,7 +428,7 @@ fn apply(
         v_strides: strides_of(v),
         ..problem
     };
-    if problem.dv != problem.d && !runs_head_dims_apart(q.device(), &problem)? {
+    if !q.device().is_cpu() && problem.gpu_pads() {
         return apply_padded(q, k, v, problem, extra, want_lse);
     }
     let lse_shape = problem.lse_shape();
@@ -449,26 +449,9 @@ fn apply(
     Ok((o, lse))
 }
 
-/// Whether `dev` runs a problem with `d_v != d_qk` on q, k and v as they are: the CPU path
-/// always; a CUDA device where its plan's kernel takes the two head dims
-/// (`plan::takes_head_dims_apart`; an error where no kernel takes the problem); anything else
-/// pads.
-fn runs_head_dims_apart(dev: &candle_core::Device, p: &Problem) -> Result<bool> {
-    match dev {
-        candle_core::Device::Cpu => Ok(true),
-        #[cfg(feature = "cuda")]
-        candle_core::Device::Cuda(d) => crate::cuda::runs_head_dims_apart(d, p),
-        #[allow(unreachable_patterns)]
-        _ => {
-            let _ = p;
-            Ok(false)
-        }
-    }
-}
-
-/// A problem with `d_v != d_qk` whose GPU plan takes one head dim for q, k and v
-/// (`runs_head_dims_apart`; no 16-bit kernel, and FP8 K/V of two head dims are widened before
-/// planning): the narrower side is copied with zero columns up to `D = max(d_qk, d_v)` ([`Problem::padded`]),
+/// A problem with `d_v != d_qk` whose GPU kernel takes one head dim for q, k and v
+/// ([`Problem::gpu_pads`]: FP8 K/V read by a kernel; `fp8::in_kernel` widens those first, so
+/// none arrives today): the narrower side is copied with zero columns up to `D = max(d_qk, d_v)` ([`Problem::padded`]),
 /// the `D`-wide problem runs, and the output is narrowed back to its first `d_v` columns. Zero
 /// columns of q and k leave every `q . k` as it was, and the scale stays the one resolved from
 /// `d_qk`, so the scores, the softmax and the LSE are those of the unpadded problem; zero columns

@@ -223,6 +223,13 @@ impl Problem {
             ..self.clone()
         }
     }
+    /// Whether a GPU runs this problem zero-padded to one head dim ([`Problem::padded`]): only
+    /// with `d_v != d_qk` and FP8 K/V read by a kernel (the e4m3 decode kernels take one head
+    /// dim; `fp8::in_kernel` widens such K/V first, so none arrives today). Every 16-bit kernel
+    /// reads v and writes o at `d_v` (`plan::takes_head_dims_apart`).
+    pub fn gpu_pads(&self) -> bool {
+        self.dv != self.d && self.kv_fp8
+    }
     /// LSE shape: `(b, hq, sq)`, or `(hq, total_q)` for a packed batch.
     pub fn lse_shape(&self) -> candle_core::Shape {
         match self.seqs {

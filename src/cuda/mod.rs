@@ -171,17 +171,6 @@ fn plan_on(dev: &CudaDevice, p: &Problem) -> Result<Plan> {
     crate::plan::plan(p, &device_info(dev)?, &options()?)
 }
 
-/// Whether `dev` runs `p` (d_v != d_qk) on q, k and v as they are (true), or zero-padded to one
-/// head dim first (false; `plan::takes_head_dims_apart`); an error where neither runs, naming
-/// the problem as given.
-pub(crate) fn runs_head_dims_apart(dev: &CudaDevice, p: &Problem) -> Result<bool> {
-    match plan_on(dev, p) {
-        Ok(pl) if crate::plan::takes_head_dims_apart(&pl) => Ok(true),
-        Ok(_) => Ok(false),
-        Err(e) => plan_on(dev, &p.padded()).map(|_| false).map_err(|_| e),
-    }
-}
-
 /// Dynamic shared memory that caps a one-split decode grid of `ctas` blocks below the CTAs per
 /// SM its shared memory allows, or `None` (`plan::decode_capped_smem` with the options in force).
 pub fn decode_capped_smem(
@@ -216,7 +205,7 @@ pub fn describe(
     }
     // d_v != d_qk runs zero-padded to max(d_qk, d_v) where the kernel needs one head dim
     // (op::apply_padded).
-    let (prob, pad) = padded_note(dev, prob);
+    let (prob, pad) = padded_note(prob);
     let info = device_info(dev)?;
     let v = crate::plan::choose(&prob, &info, &options()?)?;
     Ok(pad + &v.symbol() + &route_note(dev, &prob, v, &info)?)
@@ -291,7 +280,7 @@ pub fn describe_paged(
         return Ok(crate::chunk::route_summary(c, plan.pieces, &[route]));
     }
     let info = device_info(dev)?;
-    let (prob, pad) = padded_note(dev, prob);
+    let (prob, pad) = padded_note(prob);
     let opts = options()?;
     let v = crate::plan::choose(&prob, &info, &opts)?;
     if v.kind == variants::KKind::Decode {
@@ -315,11 +304,11 @@ pub fn describe_paged(
         })
 }
 
-/// The problem a GPU launches for `p`: itself, or with `d_v != d_qk` where its kernel needs one
-/// head dim (`runs_head_dims_apart`) the zero-padded one ([`Problem::padded`]) and the prefix
-/// `"padded to d=D, then "` for the route descriptions.
-fn padded_note(dev: &CudaDevice, p: Problem) -> (Problem, String) {
-    if p.dv == p.d || runs_head_dims_apart(dev, &p).unwrap_or(true) {
+/// The problem a GPU launches for `p`: itself, or where op.rs pads ([`Problem::gpu_pads`]) the
+/// zero-padded one ([`Problem::padded`]) and the prefix `"padded to d=D, then "` for the route
+/// descriptions.
+fn padded_note(p: Problem) -> (Problem, String) {
+    if !p.gpu_pads() {
         return (p, String::new());
     }
     let wide = p.padded();

@@ -41,9 +41,10 @@ pub(crate) fn shape_str(p: &Problem) -> String {
     )
 }
 
-/// The compiled head dim a problem's head dim runs on: the smallest of 64, 128, 256 and 512 (sm90
-/// only) that holds it (the kernels zero-fill the columns beyond `p.d` in shared memory and never store them; the
-/// sm90 narrow twins and the sm80 narrow bodies also skip the 16-column steps past `p.d`).
+/// The compiled head dim a problem's head dim runs on: the smallest of 64, 128, 256 and 512
+/// (sm90 only) that holds it (the kernels zero-fill the columns beyond `p.d` in shared memory
+/// and never store them; the sm90 narrow twins and the sm80 narrow bodies also skip the
+/// 16-column steps past `p.d`).
 pub fn kernel_head_dim(d: usize) -> u32 {
     match d {
         0..=64 => 64,
@@ -97,7 +98,10 @@ fn skipped(v: &Variant, skip: &[String]) -> bool {
 /// causal d64/d128, and d256 with 64-key tiles). d64/d128 up to 32 query blocks: +1-16 % at
 /// 512-2k, +2-3 % at 4k, but 2-6 % slower than one CTA per tile at 16k (H100). d256
 /// up to 8 (1k): +7.4 / +8.3 % at 512 / 1k, but -9 % at 2k, which keeps one
-/// CTA per tile. docs/decisions.md#sm90-dynamic-causal-schedule has the tables.
+/// CTA per tile. docs/decisions.md#sm90-dynamic-causal-schedule has the tables. Windows (the
+/// sm90 window kernels, d64/d128) at any length: a windowed tile walks 2-3 key tiles
+/// (docs/decisions.md#sm90-windows). The separate-V d192 and the d512 kernels up to 32, as
+/// d128 (d192 causal 1k 214 against 234 us static, H200; d512 not compared).
 pub(crate) fn sm90_dynamic(v: &Variant, mask: Mask, m_blocks: usize) -> bool {
     if mask == Mask::None {
         return false;

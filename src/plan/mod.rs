@@ -275,18 +275,11 @@ fn plan_validated(p: Problem, dev: &Device, opts: &Options) -> Result<Plan> {
     plan_head_dims(&p, dev, opts)
 }
 
-/// The plan for `p` as a GPU runs it: itself where its kernel takes q/k and v/o head dims apart
-/// (`takes_head_dims_apart`), else the zero-padded problem's ([`Problem::padded`]; op.rs pads).
+/// The plan for `p` as a GPU runs it: itself, or the zero-padded problem's where op.rs pads
+/// ([`Problem::gpu_pads`]).
 pub(crate) fn plan_head_dims(p: &Problem, dev: &Device, opts: &Options) -> Result<Plan> {
-    if p.dv != p.d {
-        let apart = plan(p, dev, opts);
-        if let Ok(pl) = &apart {
-            if takes_head_dims_apart(pl) {
-                return apart;
-            }
-        }
-        // where neither runs, the error names the problem as given
-        return plan(&p.padded(), dev, opts).or_else(|e| apart.and(Err(e)));
+    if p.gpu_pads() {
+        return plan(&p.padded(), dev, opts);
     }
     plan(p, dev, opts)
 }
@@ -296,6 +289,7 @@ pub(crate) fn plan_head_dims(p: &Problem, dev: &Device, opts: &Options) -> Resul
 /// their own TMA maps, the sm80 forward and split-KV decode through `p.dv`, a gathered pool at
 /// its two widths). Not the FP8 decode kernels (one head dim for k and v)
 /// (docs/decisions.md#separate-v-head-dim).
+#[cfg(any(feature = "cuda", test))]
 pub(crate) fn takes_head_dims_apart(plan: &Plan) -> bool {
     plan.variant.kv == variants::KvType::Same
 }
